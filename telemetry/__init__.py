@@ -1,0 +1,17 @@
+"""Telemetry: the event schema, the bus, the recorder and the metrics derived from events.
+
+Imports nothing else of batchtop. See docs/events.md.
+"""
+from .bus import EventBus, EventLog, Subscription
+from .events import SCHEMA_VERSION, Event, event_from_dict
+from .export import summary_text, to_chrome_trace, to_csv
+from .metrics import Metrics, MetricsSummary, WindowedRates, percentile, summarize
+from .recorder import LogFormatError, LogReader, Recorder, iter_log, read_log
+
+__all__ = [
+    "SCHEMA_VERSION", "Event", "event_from_dict",
+    "EventBus", "EventLog", "Subscription",
+    "Recorder", "LogReader", "LogFormatError", "read_log", "iter_log",
+    "Metrics", "MetricsSummary", "WindowedRates", "percentile", "summarize",
+    "to_chrome_trace", "to_csv", "summary_text",
+]

@@ -1,0 +1,236 @@
+"""Record events to JSON Lines and read them back.
+
+A log is a header line, then one event per line (`Event.to_dict()`):
+
+    {"kind": "Header", "schema_version": 1, "model": "tiny", "knobs": {...},
+     "start_time": "2025-01-01T12:00:00.000000+00:00", "start_monotonic": 1234.5}
+    {"kind": "RequestArrived", "step": 0, "t": 1234.6, "request_id": "r0", ...}
+
+The engine thread only appends to a bounded buffer; a background thread
+serialises and writes in batches every `flush_interval_s`, so disk I/O never
+sits on the engine's path. If the writer falls behind by more than `maxlen`
+events the oldest are dropped and an `EventsDropped` line says so: the log is
+lossy then, but honest about it.
+
+Reading tolerates a crash mid-write: an unparseable *last* line is skipped
+(`LogReader.truncated` tells). Anything else wrong raises `LogFormatError`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import datetime, timezone
+from typing import IO, Iterator
+
+from .bus import EventBus, EventLog, Subscription
+from .events import SCHEMA_VERSION, Event, event_from_dict
+
+HEADER_KIND = "Header"
+SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+DEFAULT_RECORDER_MAXLEN = 1_000_000
+
+# Compact separators; default=str keeps an odd knob value (say an enum) from
+# killing the writer thread: it is written as its str().
+_encode = json.JSONEncoder(separators=(",", ":"), check_circular=False, default=str).encode
+
+
+class LogFormatError(ValueError):
+    """The file is not a readable batchtop event log (message names file and line)."""
+
+
+def make_header(model: str | None = None, knobs: dict | None = None, **extra) -> dict:
+    """The header line of a log; `extra` keys (JSON values) are added as they are."""
+    return {
+        "kind": HEADER_KIND,
+        "schema_version": SCHEMA_VERSION,
+        "model": model,
+        "knobs": dict(knobs or {}),
+        "start_time": datetime.now(timezone.utc).isoformat(),
+        "start_monotonic": time.monotonic(),
+        **extra,
+    }
+
+
+class Recorder:
+    """A sink (or bus subscriber) that writes a JSON Lines event log.
+
+        rec = Recorder("run.jsonl", model="tiny", knobs=engine.knobs(), bus=bus)
+        ...
+        rec.close()            # writes what is left; also a context manager
+
+    Without `bus`, the recorder itself is the sink: `Engine(cfg, sink=rec)`.
+    The header is written and flushed in the constructor, so even an empty run
+    leaves a readable log. `close()` re-raises an error the writer thread met.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        model: str | None = None,
+        knobs: dict | None = None,
+        bus: EventBus | None = None,
+        maxlen: int = DEFAULT_RECORDER_MAXLEN,
+        flush_interval_s: float = 0.2,
+        fsync: bool = False,
+        header_extra: dict | None = None,
+    ):
+        self.path = os.fspath(path)
+        self.header = make_header(model, knobs, **(header_extra or {}))
+        self.flush_interval_s = flush_interval_s
+        self.fsync = fsync
+        self.num_written = 0
+        self.error: BaseException | None = None
+        self._source: Subscription | EventLog
+        if bus is not None:
+            self._source = bus.subscribe(maxlen)
+        else:
+            self._source = EventLog(maxlen)
+        self._file: IO[str] = open(self.path, "w", encoding="utf-8")
+        self._file.write(_encode(self.header) + "\n")
+        self._file.flush()
+        self._flush_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="batchtop-recorder", daemon=True)
+        self._thread.start()
+
+    def __call__(self, event: Event) -> None:
+        """Sink entry point (only when not attached to a bus): one locked deque append."""
+        source = self._source
+        if isinstance(source, Subscription):
+            raise TypeError("this Recorder listens to a bus; publish to the bus, not to it")
+        source.append(event)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.flush_interval_s):
+                self._write_pending()
+        except BaseException as exc:     # keep it for close(); the engine must not notice
+            self.error = exc
+
+    def _write_pending(self) -> None:
+        # The lock keeps drain-then-write atomic when flush() races the writer thread,
+        # so batches reach the file in drain order.
+        with self._flush_lock:
+            events = self._source.drain()
+            if not events:
+                return
+            self._file.write("".join([_encode(e.to_dict()) + "\n" for e in events]))
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+            self.num_written += len(events)
+
+    def flush(self) -> None:
+        """Write everything buffered so far, from the calling thread (tests, checkpoints)."""
+        if self.error is None and not self._closed:
+            self._write_pending()
+
+    def close(self) -> None:
+        """Stop the writer, write what is left, close the file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join()
+        if isinstance(self._source, Subscription):
+            self._source.close()
+        try:
+            if self.error is None:
+                self._write_pending()
+        finally:
+            self._file.close()
+        if self.error is not None:
+            raise RuntimeError(f"recorder for {self.path} failed: {self.error!r}") from self.error
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LogReader:
+    """Reads a log lazily: `header` at construction, events by iteration.
+
+        with LogReader("run.jsonl") as log:
+            print(log.header["model"])
+            for event in log: ...
+
+    After iteration, `truncated` is True when an unparseable last line (a
+    crash mid-write) was skipped.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.truncated = False
+        self._file = open(self.path, "rb")
+        self._line_no = 0
+        try:
+            self.header = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _error(self, line_no: int, reason: str) -> LogFormatError:
+        return LogFormatError(f"{self.path}:{line_no}: {reason}")
+
+    def _read_header(self) -> dict:
+        raw = self._file.readline()
+        self._line_no = 1
+        if not raw.strip():
+            raise self._error(1, "empty file: no header line (not a batchtop event log)")
+        try:
+            header = json.loads(raw)
+        except ValueError:
+            raise self._error(1, "the header line is not JSON (not a batchtop event log, "
+                                 "or a log cut before its header was complete)") from None
+        if not isinstance(header, dict) or header.get("kind") != HEADER_KIND:
+            raise self._error(1, "first line is not a Header record (not a batchtop event log)")
+        version = header.get("schema_version")
+        if version not in SUPPORTED_SCHEMA_VERSIONS:
+            raise self._error(1, f"schema_version {version!r} is not supported by this reader "
+                                 f"(supported: {sorted(SUPPORTED_SCHEMA_VERSIONS)})")
+        return header
+
+    def __iter__(self) -> Iterator[Event]:
+        for raw in self._file:
+            self._line_no += 1
+            if not raw.strip():
+                continue
+            try:
+                data = json.loads(raw)
+                yield event_from_dict(data)
+            except (ValueError, TypeError, AttributeError) as exc:
+                if self._rest_is_empty():
+                    self.truncated = True
+                    return
+                raise self._error(self._line_no, f"corrupt event line: {exc}") from None
+
+    def _rest_is_empty(self) -> bool:
+        """True when nothing but whitespace follows the current line."""
+        return not any(chunk.strip() for chunk in iter(lambda: self._file.read(1 << 16), b""))
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> LogReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def iter_log(path: str | os.PathLike) -> Iterator[Event]:
+    """The events of a log, lazily (the header is checked before the first one)."""
+    with LogReader(path) as log:
+        yield from log
+
+
+def read_log(path: str | os.PathLike) -> tuple[dict, list[Event]]:
+    """(header, events) of a whole log; a truncated last line is skipped."""
+    with LogReader(path) as log:
+        return log.header, list(log)

@@ -1,0 +1,39 @@
+import json
+import math
+
+import pytest
+
+from batchtop.telemetry.events import EVENT_TYPES, StepFinished, event_from_dict
+from telemetry_samples import one_of_each
+
+
+def test_samples_cover_every_kind():
+    assert {type(e).__name__ for e in one_of_each()} == set(EVENT_TYPES)
+
+
+@pytest.mark.parametrize("event", one_of_each(), ids=lambda e: type(e).__name__)
+def test_round_trip_through_json(event):
+    text = json.dumps(event.to_dict())
+    back = event_from_dict(json.loads(text))
+    assert back == event
+    assert type(back) is type(event)
+    assert back.to_dict() == event.to_dict()
+
+
+def test_tuple_field_comes_back_as_tuple():
+    e = StepFinished(1, 0.5, 2, 2, ("a", "b"), 2, 0, 1, 8, 0.0, 0.0, 0.0, 0.0, 0.0)
+    back = event_from_dict(json.loads(json.dumps(e.to_dict())))
+    assert back.sampled_request_ids == ("a", "b")
+    hash(back)      # still a frozen, hashable record
+
+
+def test_float_times_survive_exactly():
+    e = StepFinished(1, math.pi * 1e5, 0, 0, (), 0, 0, 0, 0, 1 / 3, 0.1, 0.2, 0.3, 1e-9)
+    assert event_from_dict(json.loads(json.dumps(e.to_dict()))) == e
+
+
+def test_unknown_kind_and_missing_field_raise():
+    with pytest.raises(ValueError, match="unknown event kind"):
+        event_from_dict({"kind": "Nope", "step": 0, "t": 0.0})
+    with pytest.raises(ValueError, match="lacks field"):
+        event_from_dict({"kind": "EventsDropped", "step": 0, "t": 0.0})
