@@ -1,0 +1,154 @@
+import json
+
+import pytest
+
+from batchtop.telemetry.bus import EventBus
+from batchtop.telemetry.events import SCHEMA_VERSION, EnginePaused, EventsDropped
+from batchtop.telemetry.recorder import LogFormatError, LogReader, Recorder, iter_log, read_log
+from telemetry_samples import one_of_each, static_batch
+
+
+def record(path, events, **kw):
+    with Recorder(path, model="tiny", knobs={"max_num_seqs": 8, "batching_mode": "continuous"},
+                  **kw) as rec:
+        for e in events:
+            rec(e)
+    return rec
+
+
+def test_header_line(tmp_path):
+    path = tmp_path / "run.jsonl"
+    record(path, [])
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["kind"] == "Header"
+    assert first["schema_version"] == SCHEMA_VERSION
+    assert first["model"] == "tiny"
+    assert first["knobs"] == {"max_num_seqs": 8, "batching_mode": "continuous"}
+    assert "T" in first["start_time"] and first["start_time"].endswith("+00:00")
+    assert isinstance(first["start_monotonic"], float)
+
+
+def test_replay_is_identical(tmp_path):
+    path = tmp_path / "run.jsonl"
+    events = one_of_each() + static_batch([5, 3])
+    rec = record(path, events)
+    assert rec.num_written == len(events)
+    header, back = read_log(path)
+    assert header["model"] == "tiny"
+    assert back == events
+    assert [type(e) for e in back] == [type(e) for e in events]
+    assert list(iter_log(path)) == events
+
+
+def test_recorder_on_a_bus_and_flush(tmp_path):
+    path = tmp_path / "run.jsonl"
+    bus = EventBus()
+    rec = Recorder(path, model="m", bus=bus, flush_interval_s=60)
+    bus.publish(EnginePaused(1, 1.0))
+    rec.flush()                       # written now, not after 60 s
+    assert read_log(path)[1] == [EnginePaused(1, 1.0)]
+    bus.publish(EnginePaused(2, 2.0))
+    with pytest.raises(TypeError):
+        rec(EnginePaused(3, 3.0))
+    rec.close()
+    rec.close()                       # idempotent
+    assert bus.num_subscribers == 0
+    assert read_log(path)[1] == [EnginePaused(1, 1.0), EnginePaused(2, 2.0)]
+
+
+def test_recorder_overflow_is_logged(tmp_path):
+    path = tmp_path / "run.jsonl"
+    rec = Recorder(path, maxlen=4, flush_interval_s=60)
+    for i in range(10):
+        rec(EnginePaused(i, float(i)))
+    rec.close()
+    assert read_log(path)[1] == [EventsDropped(6, 6.0, 6)] + [EnginePaused(i, float(i)) for i in range(6, 10)]
+
+
+def test_odd_knob_values_do_not_kill_the_writer(tmp_path):
+    path = tmp_path / "run.jsonl"
+    with Recorder(path, knobs={"dtype": object()}) as rec:
+        rec(EnginePaused(0, 0.0))
+    header, events = read_log(path)
+    assert header["knobs"]["dtype"].startswith("<object")
+    assert events == [EnginePaused(0, 0.0)]
+
+
+def test_truncated_last_line_replays_up_to_the_cut(tmp_path):
+    path = tmp_path / "run.jsonl"
+    events = one_of_each()
+    record(path, events)
+    data = path.read_bytes()
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    last_len = len(data) - last_start
+    # every cut inside the last line, including right after its first byte and before its newline
+    for cut in sorted({1, 2, 5, last_len // 3, last_len // 2, last_len - 2, last_len - 1}):
+        path.write_bytes(data[:last_start + cut])
+        with LogReader(path) as log:
+            got = list(log)
+        if cut == last_len - 1:       # only the newline is missing: the line is whole
+            assert got == events and not log.truncated
+        else:
+            assert got == events[:-1] and log.truncated, cut
+    # cut right at a line boundary: nothing lost, nothing flagged
+    path.write_bytes(data[:last_start])
+    with LogReader(path) as log:
+        assert list(log) == events[:-1] and not log.truncated
+
+
+def test_log_is_ascii_and_a_cut_inside_an_escape_is_tolerated(tmp_path):
+    path = tmp_path / "run.jsonl"
+    events = one_of_each()[:3]        # the third line holds "req-ü-0"
+    record(path, events)
+    data = path.read_bytes()
+    assert data.isascii()             # non-ASCII text is escaped: a byte cut never splits a character
+    cut = data.rindex(b"\\u00fc") + 3     # inside the escape of the last line
+    path.write_bytes(data[:cut])
+    assert read_log(path)[1] == events[:2]
+
+
+def test_corrupt_middle_line_raises(tmp_path):
+    path = tmp_path / "run.jsonl"
+    record(path, one_of_each())
+    lines = path.read_bytes().split(b"\n")
+    lines[4] = lines[4][: len(lines[4]) // 2]
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(LogFormatError, match=r"run.jsonl:5: corrupt event line"):
+        read_log(path)
+    lines[4] = b'{"kind": "Bogus", "step": 1, "t": 0.0}'
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(LogFormatError, match="unknown event kind 'Bogus'"):
+        read_log(path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty file"),
+    (b'{"kind": "Header", "schema_ver', "header line is not JSON"),
+    (b'{"kind": "EnginePaused", "step": 0, "t": 0.0}\n', "not a Header"),
+    (b'[1, 2]\n', "not a Header"),
+    (b'{"kind": "Header", "schema_version": 999}\n', "schema_version 999 is not supported"),
+    (b'{"kind": "Header"}\n', "schema_version None is not supported"),
+])
+def test_bad_header_raises(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(LogFormatError, match=message):
+        read_log(path)
+
+
+def test_blank_lines_are_ignored(tmp_path):
+    path = tmp_path / "run.jsonl"
+    record(path, [EnginePaused(0, 0.0), EnginePaused(1, 1.0)])
+    text = path.read_text().replace("\n", "\n\n")
+    path.write_text(text)
+    assert read_log(path)[1] == [EnginePaused(0, 0.0), EnginePaused(1, 1.0)]
+
+
+def test_zero_filled_tail_after_a_crash_is_tolerated(tmp_path):
+    # some filesystems leave the unwritten end of a file as NUL bytes after a power loss
+    path = tmp_path / "run.jsonl"
+    record(path, [EnginePaused(0, 0.0), EnginePaused(1, 1.0)])
+    data = path.read_bytes()
+    path.write_bytes(data[:-10] + b"\0" * 300)
+    header, events = read_log(path)
+    assert events == [EnginePaused(0, 0.0)]
