@@ -1,2 +1,132 @@
-def main():
-    print("batchtop")
+"""The one entry point: `batchtop [COMMAND] ...`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for writing clear code.",
+    "What is 17 times 23?",
+    "Name the planets of the solar system in order.",
+    "Summarise the plot of Romeo and Juliet in one paragraph.",
+    "How does a hash table work?",
+]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, an HF folder or a .gguf file")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request may take in a step (0: no cap)")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-mb", type=float, default=1024.0, help="KV pool size in MiB")
+    kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--preemption-mode", choices=["recompute", "retract"], default="recompute")
+    g.add_argument("--batching-mode", choices=["continuous", "static", "dynamic"], default="continuous")
+    g.add_argument("--static-batch-size", type=int, default=8, help="B of static and dynamic batching")
+    g.add_argument("--layout", choices=["condense", "indexmap", "gather"], default="condense",
+                   help="persistent batch layout")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def engine_config(args):
+    from batchtop.engine.config import EngineConfig
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb, policy=args.policy,
+        preemption_mode=args.preemption_mode, batching_mode=args.batching_mode,
+        static_batch_size=args.static_batch_size, layout=args.layout,
+        attention_backend=args.attention_backend, num_threads=args.threads,
+        batch_capacity=max(256, args.max_num_seqs),
+    )
+
+
+def cmd_generate(args) -> int:
+    from batchtop.engine.engine import Engine
+    from batchtop.engine.sampling import SamplingParams
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    engine = Engine(engine_config(args))
+    started = time.perf_counter()
+    completions = engine.generate(args.prompt, sampling, chat=args.chat)
+    elapsed = time.perf_counter() - started
+    for c in completions:
+        if args.json:
+            print(json.dumps({"request_id": c.request_id, "token_ids": c.token_ids, "text": c.text,
+                              "finish_reason": c.finish_reason, "num_preemptions": c.num_preemptions}))
+        else:
+            print(f"--- {c.request_id} ({len(c.token_ids)} tokens, {c.finish_reason})\n{c.text.strip()}\n")
+    if not args.json:
+        print(_throughput_line(completions, elapsed, engine.step_count))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Headless: the default model answers the built-in chat prompts, all through the engine at once."""
+    args.prompt, args.chat, args.json = DEMO_PROMPTS, True, False
+    return cmd_generate(args)
+
+
+def _throughput_line(completions, elapsed: float, steps: int) -> str:
+    prompt = sum(len(c.prompt_token_ids) for c in completions)
+    output = sum(len(c.token_ids) for c in completions)
+    return (f"{len(completions)} requests, {prompt} prompt + {output} output tokens in {elapsed:.2f} s "
+            f"over {steps} steps: {output / elapsed:.1f} output tok/s, {(prompt + output) / elapsed:.1f} total tok/s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchtop", description="top for the batch of an LLM inference engine")
+    sub = parser.add_subparsers(dest="command")
+
+    gen = sub.add_parser("generate", help="run prompts through the engine at once and print the answers")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _add_sampling_flags(gen)
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt, in order")
+    add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="headless run over built-in chat prompts")
+    _add_sampling_flags(demo)
+    add_engine_flags(demo)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def _add_sampling_flags(parser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["demo", *argv]
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as error:
+        print(f"batchtop: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The persistent batch: the worker's slot-indexed mirror of the running set.
+
+Per-slot state (token ids, block table row, lengths) lives in preallocated arrays of
+`capacity` rows, so admitting a request writes one row and nothing is reallocated.
+Three layouts keep the mirror in three ways and each reports what it paid per step:
+
+- condense: lowest free slot first; after removals, slide the highest row down into the
+  lowest hole until the rows are a dense prefix, copying only the live token prefix.
+- indexmap: a free list; holes are never repaired; the step's batch-position→slot map is
+  built fresh (decode rows before prefill rows).
+- gather: the rows are rebuilt every step as fresh arrays by filter (kept rows) and merge
+  (added rows) — the membership change costs a copy of every kept row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+LAYOUTS = ("condense", "indexmap", "gather")
+TOKEN_BYTES = 4
+BLOCK_ID_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Move:
+    request_id: str
+    from_slot: int
+    to_slot: int
+    num_bytes: int
+
+
+@dataclass
+class Update:
+    """What one step's membership change cost: the numbers of a BatchRebuilt event."""
+    rows_kept: int = 0
+    rows_added: int = 0
+    rows_removed: int = 0
+    moves: tuple[Move, ...] = ()
+    num_bytes: int = 0
+
+
+class PersistentBatch:
+    def __init__(self, layout: str, capacity: int, max_model_len: int, max_blocks_per_seq: int):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.layout = layout
+        self.capacity = capacity
+        self.token_ids = np.zeros((capacity, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(capacity, dtype=np.int64)
+        self.block_table = np.zeros((capacity, max_blocks_per_seq), dtype=np.int32)
+        self.num_blocks = np.zeros(capacity, dtype=np.int64)
+        self.request_ids: list[str | None] = [None] * capacity
+        self.slot_of: dict[str, int] = {}
+        self._holes: list[int] = []          # condense: slots freed since the last condense
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.slot_of)
+
+    # -- membership -------------------------------------------------------------------
+
+    def update(self, removed: list[str], added: list[tuple[str, list[int]]]) -> Update:
+        """Apply one step's membership change: removals first, then adds, then the layout's repair.
+
+        `added` holds (request_id, known token ids). Returns the cost of the change.
+        """
+        kept = self.num_rows - sum(1 for rid in removed if rid in self.slot_of)
+        for request_id in removed:
+            self._remove(request_id)
+        for request_id, token_ids in added:
+            self._add(request_id, token_ids)
+        update = Update(rows_kept=kept, rows_added=len(added), rows_removed=len(removed))
+        if self.layout == "condense":
+            update.moves = tuple(self._condense())
+            update.num_bytes = sum(m.num_bytes for m in update.moves)
+        elif self.layout == "gather" and (removed or added):
+            update.num_bytes = self._regather()
+        return update
+
+    def _add(self, request_id: str, token_ids: list[int]) -> int:
+        slot = self._free_slot()
+        self.request_ids[slot] = request_id
+        self.slot_of[request_id] = slot
+        self.token_ids[slot, : len(token_ids)] = token_ids
+        self.num_tokens[slot] = len(token_ids)
+        self.num_blocks[slot] = 0
+        return slot
+
+    def _free_slot(self) -> int:
+        if self.layout == "condense" and self._holes:
+            self._holes.sort()
+            return self._holes.pop(0)
+        # indexmap and gather: lowest free slot; condense without holes: the end of the dense prefix
+        return self.request_ids.index(None)
+
+    def _remove(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is None:
+            return
+        self.request_ids[slot] = None
+        self.num_tokens[slot] = 0
+        self.num_blocks[slot] = 0
+        if self.layout == "condense":
+            self._holes.append(slot)
+
+    def _condense(self) -> list[Move]:
+        """Slide the highest rows into the lowest holes; early return when adds refilled every hole."""
+        moves = []
+        holes = sorted(self._holes)
+        self._holes = []
+        last = self.num_rows + len(holes) - 1
+        for hole in holes:
+            while last >= 0 and self.request_ids[last] is None:
+                last -= 1
+            if hole >= last:
+                break
+            moves.append(self._move(last, hole))
+            last -= 1
+        return moves
+
+    def _move(self, src: int, dst: int) -> Move:
+        """Copy the live prefix of row `src` into row `dst` (tokens and block ids, nothing past them)."""
+        request_id = self.request_ids[src]
+        num_tokens = int(self.num_tokens[src])
+        num_blocks = int(self.num_blocks[src])
+        self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
+        self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
+        self.num_tokens[dst], self.num_blocks[dst] = num_tokens, num_blocks
+        self.request_ids[dst], self.request_ids[src] = request_id, None
+        self.num_tokens[src] = self.num_blocks[src] = 0
+        self.slot_of[request_id] = dst
+        return Move(request_id, src, dst, num_tokens * TOKEN_BYTES + num_blocks * BLOCK_ID_BYTES)
+
+    def _regather(self) -> int:
+        """gather: rebuild the rows as fresh arrays in request order — filter kept rows, merge added ones."""
+        slots = sorted(self.slot_of.values())
+        bytes_copied = 0
+        token_ids = np.zeros_like(self.token_ids)
+        block_table = np.zeros_like(self.block_table)
+        for new_slot, old_slot in enumerate(slots):
+            n, b = int(self.num_tokens[old_slot]), int(self.num_blocks[old_slot])
+            token_ids[new_slot, :n] = self.token_ids[old_slot, :n]
+            block_table[new_slot, :b] = self.block_table[old_slot, :b]
+            bytes_copied += n * TOKEN_BYTES + b * BLOCK_ID_BYTES
+        request_ids = [self.request_ids[s] for s in slots]
+        num_tokens, num_blocks = self.num_tokens[slots], self.num_blocks[slots]
+        self.token_ids, self.block_table = token_ids, block_table
+        self.request_ids = request_ids + [None] * (self.capacity - len(slots))
+        self.num_tokens = np.zeros(self.capacity, dtype=np.int64)
+        self.num_blocks = np.zeros(self.capacity, dtype=np.int64)
+        self.num_tokens[: len(slots)], self.num_blocks[: len(slots)] = num_tokens, num_blocks
+        self.slot_of = {rid: i for i, rid in enumerate(request_ids)}
+        return bytes_copied
+
+    # -- per-step row state -------------------------------------------------------------
+
+    def append_token(self, request_id: str, token_id: int) -> None:
+        slot = self.slot_of[request_id]
+        self.token_ids[slot, self.num_tokens[slot]] = token_id
+        self.num_tokens[slot] += 1
+
+    def sync_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        """Append the blocks the KV manager gave the request since the last sync."""
+        slot = self.slot_of[request_id]
+        held = int(self.num_blocks[slot])
+        if len(block_ids) != held:
+            self.block_table[slot, held : len(block_ids)] = block_ids[held:]
+            self.num_blocks[slot] = len(block_ids)
+
+    def order(self, slots: np.ndarray, is_decode: np.ndarray) -> np.ndarray:
+        """The step's batch-position→slot map: slot order, except indexmap puts decode rows first."""
+        if self.layout == "indexmap":
+            return slots[np.lexsort((slots, ~is_decode))]
+        return np.sort(slots)

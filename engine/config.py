@@ -1,0 +1,62 @@
+"""Engine configuration: one frozen dataclass, validated when built."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BATCHING_MODES = ("continuous", "static", "dynamic")
+PREEMPTION_MODES = ("recompute", "retract")
+POLICIES = ("fcfs", "priority")
+MAX_NUM_SEQS_LIMIT = 1024
+MAX_BATCHED_TOKENS_LIMIT = 65536
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0     # 0: no per-request cap within the budget
+    block_size: int = 16
+    num_kv_blocks: int | None = None          # wins over kv_cache_mb when given
+    kv_cache_mb: float = 1024.0
+    max_model_len: int | None = None          # default: the model's context length
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    batching_mode: str = "continuous"
+    static_batch_size: int = 8                # B of static and dynamic batching
+    dynamic_timeout_s: float = 0.5            # dynamic: form a partial batch after this wait
+    layout: str = "condense"
+    attention_backend: str = "auto"
+    batch_capacity: int = 256                 # persistent-batch rows; the ceiling for max_num_seqs
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        check_int("max_num_seqs", self.max_num_seqs, 1, self.batch_capacity)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_BATCHED_TOKENS_LIMIT)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, MAX_BATCHED_TOKENS_LIMIT)
+        check_int("block_size", self.block_size, 1, 1024)
+        check_int("batch_capacity", self.batch_capacity, 1, MAX_NUM_SEQS_LIMIT)
+        check_int("static_batch_size", self.static_batch_size, 1, self.batch_capacity)
+        if self.num_kv_blocks is not None:
+            check_int("num_kv_blocks", self.num_kv_blocks, 1, 10**8)
+        if not self.kv_cache_mb > 0:
+            raise ValueError(f"kv_cache_mb must be > 0, got {self.kv_cache_mb!r}")
+        check_choice("policy", self.policy, POLICIES)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_choice("batching_mode", self.batching_mode, BATCHING_MODES)
+        check_choice("layout", self.layout, ("condense", "indexmap", "gather"))
+        check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
+
+def check_int(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def check_choice(name: str, value, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value

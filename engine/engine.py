@@ -1,0 +1,273 @@
+"""The engine: requests in, one step at a time (schedule → prepare → forward → sample → update), events out."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from batchtop import kernels
+from batchtop.telemetry import events as ev
+
+from .batch import PersistentBatch
+from .block_pool import KVCacheManager
+from .config import EngineConfig
+from .model import LoadedModel, load_model
+from .request import Request, Status
+from .runner import Runner
+from .sampling import Sampler, SamplingParams
+from .scheduler import Row, Scheduler, SchedulerKnobs
+
+Sink = Callable[[ev.Event], None]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+    num_preemptions: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, sink: Sink | None = None, loaded: LoadedModel | None = None):
+        self.config = config
+        self._sink = sink
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        kernels.select_backend(config.attention_backend)
+        dtype = getattr(torch, config.dtype)
+        self.loaded = loaded or load_model(config.model, dtype)
+        self.tokenizer = self.loaded.tokenizer
+        model_config = self.loaded.model.config
+        self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        num_blocks = config.num_kv_blocks or max(1, int(
+            config.kv_cache_mb * 2**20 // (Runner.kv_bytes_per_token(model_config, dtype) * config.block_size)))
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerKnobs(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
+            self.kv, config.policy)
+        self.batch = PersistentBatch(config.layout, config.batch_capacity, self.max_model_len,
+                                     -(-self.max_model_len // config.block_size))
+        self.runner = Runner(self.loaded.model, num_blocks, config.block_size, dtype)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.vocab_size = int(model_config.vocab_size)
+        self.step_count = 0
+        self.requests: dict[str, Request] = {}
+        self._retired_from_batch: list[str] = []    # leave the persistent batch at the next step
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # -- events -------------------------------------------------------------------------
+
+    def _emit(self, event_type, *fields) -> None:
+        if self._sink is not None:
+            self._sink(event_type(self.step_count, time.monotonic(), *fields))
+
+    # -- requests in ----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int] | list[dict], sampling: SamplingParams | None = None, *,
+                    chat: bool = False, priority: int = 0, request_id: str | None = None) -> str:
+        """Validate and queue a request; ValueError (naming the lengths) if it can never be served."""
+        sampling = sampling or SamplingParams()
+        if isinstance(prompt, (str, dict)) or (prompt and isinstance(prompt[0], dict)):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenize(prompt, chat)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size - 1}]")
+        needed = len(token_ids) + sampling.max_tokens
+        if needed > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {needed} "
+                             f"exceeds the model's context of {self.max_model_len} tokens")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if needed - 1 > capacity:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {needed} "
+                             f"exceeds the whole KV pool of {capacity} tokens")
+        request_id = request_id or f"r{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, sampling, time.monotonic(), priority=priority,
+                          arrival_seq=next(self._arrivals))
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self._emit(ev.RequestArrived, request_id, len(token_ids), sampling.max_tokens, priority)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or running request and free its blocks; False if unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        slot = self.batch.slot_of.get(request_id, -1)
+        self._retire(request, "abort", slot)
+        return True
+
+    def _retire(self, request: Request, reason: str, slot: int) -> None:
+        self.scheduler.finish(request, reason)
+        request.finish_time = time.monotonic()
+        self.sampler.forget(request.request_id)
+        if slot >= 0:
+            self._retired_from_batch.append(request.request_id)
+        self._emit(ev.RequestRetired, request.request_id, reason, slot, request.num_prompt_tokens,
+                   request.num_output_tokens)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        if not self.scheduler.has_work():
+            return []
+        self.step_count += 1
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t_schedule = time.perf_counter()
+        self._update_batch(plan)
+        rows = plan.rows
+        if self._sink is not None:
+            self._emit_plan(plan)
+        if not rows:
+            return []
+        arrays = self._row_arrays(rows)
+        inputs = self.runner.prepare(self.batch.token_ids, self.batch.block_table, *arrays)
+        t_prepare = time.perf_counter()
+        logits = self.runner.forward(inputs)
+        t_forward = time.perf_counter()
+        sampling_rows = [rows[i] for i in np.flatnonzero(arrays[-1])]
+        tokens = self.sampler.sample(logits, [(r.request.request_id, r.request.sampling) for r in sampling_rows])
+        t_sample = time.perf_counter()
+        outputs = self._update(rows, sampling_rows, tokens)
+        t_update = time.perf_counter()
+        self._emit(ev.StepFinished, len(rows), int(inputs.input_ids.shape[0]),
+                   tuple(r.request.request_id for r in sampling_rows),
+                   len(self.scheduler.running), len(self.scheduler.waiting),
+                   self.kv.num_used_blocks, self.kv.num_blocks,
+                   t_schedule - t0, t_prepare - t_schedule, t_forward - t_prepare, t_sample - t_forward,
+                   t_update - t_sample)
+        return outputs
+
+    def _update_batch(self, plan) -> None:
+        """Mirror the scheduler's running set in the persistent batch, then sync block tables."""
+        removed = self._retired_from_batch + [r.request_id for r, _, _ in plan.preempted]
+        self._retired_from_batch = []
+        slot_before = {rid: self.batch.slot_of.get(rid, -1) for rid in removed}
+        update = self.batch.update(removed, [(r.request_id, r.prompt_token_ids + r.output_token_ids)
+                                             for r in plan.admitted])
+        for request, blocks_freed, tokens in plan.preempted:
+            self._emit(ev.RequestPreempted, request.request_id, slot_before[request.request_id], blocks_freed,
+                       tokens, "kv pool exhausted")
+        for request in plan.admitted:
+            request.admit_time = request.admit_time or time.monotonic()
+            self._emit(ev.RequestAdmitted, request.request_id, self.batch.slot_of[request.request_id],
+                       request.num_computed_tokens, request.num_preemptions > 0)
+        for move in update.moves:
+            self._emit(ev.RowMoved, move.request_id, move.from_slot, move.to_slot, move.num_bytes)
+        if removed or plan.admitted:
+            self._emit(ev.BatchRebuilt, self.batch.layout, update.rows_kept, update.rows_added, update.rows_removed,
+                       len(update.moves), update.num_bytes)
+        for row in plan.rows:
+            self.batch.sync_blocks(row.request.request_id, self.kv.block_ids(row.request.request_id))
+
+    def _row_arrays(self, rows: list[Row]):
+        """Rows in the layout's batch order as arrays: slots, starts, query lengths, samples."""
+        slot_of = self.batch.slot_of
+        slots = np.fromiter((slot_of[r.request.request_id] for r in rows), dtype=np.int64, count=len(rows))
+        query_lens = np.fromiter((r.num_tokens for r in rows), dtype=np.int64, count=len(rows))
+        order = self.batch.order(slots, query_lens == 1)
+        if not np.array_equal(order, slots):
+            position = {slot: i for i, slot in enumerate(slots.tolist())}
+            rows[:] = [rows[position[s]] for s in order.tolist()]
+            slots, query_lens = order, query_lens[[position[s] for s in order.tolist()]]
+        starts = np.fromiter((r.request.num_computed_tokens for r in rows), dtype=np.int64, count=len(rows))
+        samples = np.fromiter((r.samples for r in rows), dtype=bool, count=len(rows))
+        return slots, starts, query_lens, samples
+
+    def _update(self, rows: list[Row], sampling_rows: list[Row], tokens: list[int]) -> list[RequestOutput]:
+        now = time.monotonic()
+        for row in rows:
+            request = row.request
+            request.num_computed_tokens += row.num_tokens
+            if request.num_computed_tokens < request.num_tokens or request.num_output_tokens == 0:
+                self._emit(ev.PrefillChunk, request.request_id, row.num_tokens, request.num_computed_tokens,
+                           request.num_tokens)
+        outputs = []
+        for row, token in zip(sampling_rows, tokens):
+            request = row.request
+            request.output_token_ids.append(token)
+            self.batch.append_token(request.request_id, token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self._emit(ev.FirstToken, request.request_id, now - request.arrival_time)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._retire(request, reason, self.batch.slot_of[request.request_id])
+            outputs.append(RequestOutput(request.request_id, [token], reason is not None, reason))
+        return outputs
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        sampling = request.sampling
+        if (token in self.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+            return "stop"
+        if request.num_output_tokens >= sampling.max_tokens:
+            return "length"
+        return None
+
+    def _emit_plan(self, plan) -> None:
+        prefill_tokens = decode_tokens = num_prefill = num_decode = 0
+        for row in plan.rows:
+            if row.num_tokens == 1 and row.request.num_output_tokens > 0:
+                decode_tokens += 1
+                num_decode += 1
+            else:
+                prefill_tokens += row.num_tokens
+                num_prefill += 1
+        self._emit(ev.StepPlanned, prefill_tokens, decode_tokens, num_prefill, num_decode, 0, plan.token_budget,
+                   len(self.scheduler.running), len(self.scheduler.waiting), self.kv.num_used_blocks,
+                   self.kv.num_blocks)
+
+    # -- blocking convenience ----------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, chat: bool = False) -> list[Completion]:
+        """Run every prompt through the engine at once; completions in prompt order."""
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, s, chat=chat) for p, s in zip(prompts, params)]
+        while any(not self.requests[i].finished for i in ids):
+            self.step()
+        return [self.completion(i) for i in ids]
+
+    def completion(self, request_id: str) -> Completion:
+        r = self.requests[request_id]
+        return Completion(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
+                          self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True), r.finish_reason,
+                          r.arrival_time, r.first_token_time, r.finish_time, r.num_preemptions)

@@ -1,0 +1,65 @@
+"""A request as the scheduler sees it: known tokens versus computed tokens."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"          # back in the waiting queue, its KV freed
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    priority: int = 0                # lower value is served first under the priority policy
+    arrival_seq: int = 0             # tie-break: order of arrival
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # stop | length | abort
+    admit_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0   # tokens computed again after preemptions
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: the prompt plus everything generated so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most KV positions this request can ever hold (the last sampled token is never fed back)."""
+        return self.num_prompt_tokens + self.sampling.max_tokens - 1
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        return (prompt + self.output_token_ids)[start:stop]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

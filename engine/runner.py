@@ -1,0 +1,111 @@
+"""The runner: one step's rows to one flat ragged batch, through the model, to logits.
+
+Every op but attention runs on the flat `[sum N_i, d]` token axis; attention gets the
+offsets (`query_start_loc`, `seq_lens`, `block_table`, `slot_mapping`) and the paged KV
+cache through transformers' attention-function registry, so the model definition stays
+transformers' own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from batchtop import kernels
+
+ATTENTION_NAME = "batchtop_paged"
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor          # [num_tokens]
+    positions: torch.Tensor          # [num_tokens]
+    query_start_loc: torch.Tensor    # [num_rows + 1], exclusive prefix sum of query lengths
+    seq_lens: torch.Tensor           # [num_rows]
+    block_table: torch.Tensor        # [num_rows, max_blocks]
+    slot_mapping: torch.Tensor       # [num_tokens]
+    logits_indices: torch.Tensor     # flat index of the last token of every row that samples
+
+
+@dataclass
+class _ForwardContext:
+    """Handed through the model's kwargs to every attention call of one step."""
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor
+    metadata: object
+
+
+def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, batchtop=None, **_):
+    # transformers hands [1, heads, tokens, head_dim]; the kernels want [tokens, heads, head_dim]
+    k_cache, v_cache = batchtop.kv_caches[module.layer_idx]
+    kernels.write_kv_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache,
+                           batchtop.slot_mapping)
+    out = kernels.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batchtop.metadata, scaling)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, _paged_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)   # the offsets are the mask
+
+
+class Runner:
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype):
+        self.model = model
+        self.block_size = block_size
+        config = model.config
+        model.set_attn_implementation(ATTENTION_NAME)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(config.num_hidden_layers)]
+
+    @staticmethod
+    def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+
+    def prepare(self, token_ids: np.ndarray, block_table: np.ndarray, slots: np.ndarray,
+                starts: np.ndarray, query_lens: np.ndarray, samples: np.ndarray) -> StepInputs:
+        """Flatten rows into one ragged batch, vectorised over rows.
+
+        Row i reads tokens `starts[i] : starts[i] + query_lens[i]` of persistent-batch row
+        `slots[i]`; `samples[i]` says whether its last token's logits are needed.
+        """
+        query_start_loc = np.zeros(len(slots) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        row_of_token = np.repeat(np.arange(len(slots)), query_lens)
+        positions = np.arange(num_tokens) - query_start_loc[row_of_token] + starts[row_of_token]
+        token_slots = slots[row_of_token]
+        seq_lens = starts + query_lens
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        step_block_table = block_table[slots, :max_blocks]
+        slot_mapping = (block_table[token_slots, positions // self.block_size].astype(np.int64) * self.block_size
+                        + positions % self.block_size)
+        return StepInputs(
+            input_ids=torch.from_numpy(token_ids[token_slots, positions].astype(np.int64)),
+            positions=torch.from_numpy(positions),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            block_table=torch.from_numpy(np.ascontiguousarray(step_block_table)),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1),
+        )
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits `[num_sampling_rows, vocab]` for the rows that sample, in row order."""
+        metadata = kernels.build_attention_metadata(
+            inputs.query_start_loc, inputs.seq_lens, inputs.block_table, self.block_size)
+        context = _ForwardContext(self.kv_caches, inputs.slot_mapping, metadata)
+        hidden = self.model.model(
+            input_ids=inputs.input_ids.unsqueeze(0),
+            position_ids=inputs.positions.unsqueeze(0),
+            use_cache=False,
+            batchtop=context,
+        ).last_hidden_state[0]
+        # The LM head is a large GEMM: run it only on the tokens whose logits are sampled.
+        return self.model.lm_head(hidden[inputs.logits_indices])

@@ -1,0 +1,96 @@
+"""Greedy outputs through the engine are token-identical to transformers' own `generate`."""
+import random
+
+import pytest
+import torch
+
+from batchtop.engine.config import EngineConfig
+from batchtop.engine.engine import Engine
+from batchtop.engine.model import load_model
+from batchtop.engine.sampling import SamplingParams
+
+CHAT_PROMPTS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves falling in a quiet park.",
+    "Explain how a hash table handles collisions, with an example using chaining and one using open addressing.",
+    "List three fruits.",
+    "Translate 'good morning, how are you today?' into Spanish and French, and say which words differ most.",
+    "Why do cats purr? Give a short answer that a child could understand, and then a longer answer for an adult "
+    "who knows some biology, mentioning the larynx and the diaphragm.",
+    "2+2=?",
+    "Describe the water cycle in four steps.",
+]
+MAX_TOKENS = 24
+
+
+def hf_greedy(model, prompts_ids, max_new_tokens):
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompts_ids:
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False)
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    reference = load_model("smollm2")
+    prompts = [reference.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False) for p in CHAT_PROMPTS]
+    return prompts, hf_greedy(reference.model, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2")
+
+
+def run_engine(loaded, prompts, **config):
+    engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded)
+    completions = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return completions
+
+
+@pytest.mark.parametrize("config", [
+    dict(max_num_seqs=3),
+    dict(max_num_seqs=3, long_prefill_token_threshold=8),
+    dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=9),
+], ids=["batched", "chunked-prefill", "preempting"])
+def test_smollm2_matches_transformers_generate(smollm2, smollm2_reference, config):
+    prompts, expected = smollm2_reference
+    assert len(set(map(len, prompts))) >= 8
+    completions = run_engine(smollm2, prompts, **config)
+    for prompt, completion, reference in zip(CHAT_PROMPTS, completions, expected):
+        assert completion.token_ids == reference, prompt
+    if "num_kv_blocks" in config:
+        assert sum(c.num_preemptions for c in completions) > 0, "the small pool was meant to force preemptions"
+
+
+def test_tiny_random_prompts_arriving_at_random_steps_match_generate():
+    rng = random.Random(7)
+    loaded = load_model("tiny")
+    reference = load_model("tiny")
+    vocab = loaded.model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(56)]
+    max_tokens = [rng.randint(1, 20) for _ in prompts]
+    engine = Engine(EngineConfig(model="tiny", max_num_seqs=8, max_num_batched_tokens=48,
+                                 long_prefill_token_threshold=16, num_kv_blocks=20), loaded=loaded)
+    pending = list(zip(prompts, max_tokens))
+    ids = []
+    while pending or engine.has_unfinished():
+        for _ in range(rng.choice([0, 0, 1, 3])):
+            if pending:
+                prompt, n = pending.pop(0)
+                ids.append(engine.add_request(prompt, SamplingParams(max_tokens=n)))
+        engine.step()
+    assert len(ids) == len(prompts)
+    preemptions = 0
+    for request_id, prompt, n in zip(ids, prompts, max_tokens):
+        completion = engine.completion(request_id)
+        preemptions += completion.num_preemptions
+        assert completion.token_ids == hf_greedy(reference.model, [prompt], n)[0]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert preemptions > 0
