@@ -1,0 +1,104 @@
+"""Attention entry points for the engine: one call serves a whole ragged step (docs/kernels.md).
+
+    meta = build_attention_metadata(query_start_loc, seq_lens, block_table, block_size)  # once per step
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)                          # per layer
+    out = paged_attention(query, k_cache, v_cache, meta, scale)                         # per layer
+
+Backends: `torch` (reference; the CPU path) and `triton` (CUDA, or the CPU under
+`TRITON_INTERPRET=1`). `auto` picks triton for CUDA tensors and torch otherwise. The environment
+variable BATCHTOP_ATTENTION_BACKEND, when set, overrides whatever `select_backend` chose.
+The triton module is imported on first use, so importing this package never imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from . import attention_torch
+from .attention_torch import AttentionMetadata
+
+__all__ = [
+    "AttentionMetadata",
+    "BACKENDS",
+    "BACKEND_ENV_VAR",
+    "backend",
+    "build_attention_metadata",
+    "paged_attention",
+    "resolve_backend",
+    "select_backend",
+    "write_kv_cache",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+BACKEND_ENV_VAR = "BATCHTOP_ATTENTION_BACKEND"
+
+backend = "auto"  # as chosen by select_backend; the environment variable still wins over it
+
+
+def select_backend(name: str) -> str:
+    """Choose `auto`, `torch` or `triton`; returns the choice in force (the env var wins if set)."""
+    global backend
+    backend = _check_name(name, "select_backend")
+    return _requested()
+
+
+def resolve_backend(device: torch.device | str) -> str:
+    """The concrete backend (`torch` or `triton`) that calls on tensors on `device` will use."""
+    name = _requested()
+    if name == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return name
+
+
+def build_attention_metadata(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> AttentionMetadata:
+    """Once per step, from int32 tensors on the cache's device; see docs/architecture.md."""
+    impl = _impl(block_table.device)
+    return impl.build_attention_metadata(query_start_loc, seq_lens, block_table, block_size)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's key/value `[T, Hkv, D]` at flat cache slots `slot_mapping` `[T]`."""
+    _impl(k_cache.device).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """`[T, Hq, D]` attention output for query `[T, Hq, D]`; call after this layer's `write_kv_cache`."""
+    return _impl(k_cache.device).paged_attention(query, k_cache, v_cache, meta, scale)
+
+
+def _requested() -> str:
+    forced = os.environ.get(BACKEND_ENV_VAR)
+    if forced:
+        return _check_name(forced.strip().lower(), BACKEND_ENV_VAR)
+    return backend
+
+
+def _check_name(name: str, where: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{where}: unknown attention backend {name!r}; choose one of {BACKENDS}")
+    return name
+
+
+def _impl(device: torch.device) -> ModuleType:
+    if resolve_backend(device) == "torch":
+        return attention_torch
+    from . import attention_triton  # deferred: triton reads TRITON_INTERPRET when kernels are defined
+
+    return attention_triton

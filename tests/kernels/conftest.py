@@ -1,0 +1,16 @@
+"""Run the Triton kernels through the interpreter so these tests need no GPU.
+
+triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when
+batchtop.kernels.attention_triton is imported, so it is set here, before any test module
+imports it. Should something have imported it earlier without the flag, it is reloaded.
+"""
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+_triton_module = sys.modules.get("batchtop.kernels.attention_triton")
+if _triton_module is not None and not _triton_module.INTERPRET:
+    importlib.reload(_triton_module)
