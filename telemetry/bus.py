@@ -101,12 +101,17 @@ class EventBus:
         # Unlocked read: a subscriber that joins concurrently simply starts after this event.
         if not self._subs and self._history is None:
             return
-        with self._lock:
+        # acquire/release rather than `with`: measurably cheaper per call on CPython 3.11
+        lock = self._lock
+        lock.acquire()
+        try:
             self._seq += 1
             for sub in self._subs:
                 sub._buf.append(event)
             if self._history is not None:
                 self._history.append(event)
+        finally:
+            lock.release()
 
     __call__ = publish
 
@@ -162,9 +167,13 @@ class EventLog:
         self.num_dropped_total = 0
 
     def append(self, event: Event) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             self._num_appended += 1
             self._buf.append(event)
+        finally:
+            lock.release()
 
     __call__ = append
 

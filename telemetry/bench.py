@@ -1,0 +1,116 @@
+"""Overhead of the telemetry path, per event: `python -m batchtop.telemetry.bench`.
+
+Prints a Markdown table (copied into docs/events.md, "Overhead"). Each figure
+is the best of `--repeat` runs over `--n` events, on the calling thread.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from typing import Callable
+
+from .bus import EventBus, EventLog
+from .events import Event, FirstToken, PrefillChunk, RequestAdmitted, StepFinished, StepPlanned
+from .recorder import Recorder, _encode
+
+
+def sample_events(batch_rows: int = 32) -> list[Event]:
+    """One decode step of a `batch_rows`-row batch plus a few request events: a typical mix."""
+    ids = tuple(f"req-{i:06d}" for i in range(batch_rows))
+    return [
+        StepPlanned(1000, 1.0, 0, batch_rows, 0, batch_rows, 0, 2048, batch_rows, 3, 812, 4096),
+        RequestAdmitted(1000, 1.0, "req-000123", 5, 0, False),
+        PrefillChunk(1000, 1.0, "req-000123", 512, 512, 512),
+        StepFinished(1000, 1.01, batch_rows, batch_rows, ids, batch_rows, 3, 812, 4096,
+                     1e-4, 2e-4, 8e-3, 3e-4, 1e-4),
+        FirstToken(1000, 1.01, "req-000123", 0.25),
+    ]
+
+
+def _per_event_ns(fn: Callable[[list[Event]], None], events: list[Event], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter_ns()
+        fn(events)
+        best = min(best, time.perf_counter_ns() - start)
+    return best / len(events)
+
+
+def measure(n: int = 200_000, repeat: int = 5) -> list[tuple[str, float]]:
+    mix = sample_events()
+    events = (mix * (n // len(mix) + 1))[:n]
+    rows: list[tuple[str, float]] = []
+
+    def loop(sink):
+        def run(evs):
+            for e in evs:
+                sink(e)
+        return run
+
+    rows.append(("plain function call (baseline: `sink(e)` doing nothing)",
+                 _per_event_ns(loop(lambda e: None), events, repeat)))
+    for num_subs in (0, 1, 3):
+        bus = EventBus()
+        subs = [bus.subscribe(maxlen=10_000) for _ in range(num_subs)]   # full: appends also evict
+        rows.append((f"`EventBus.publish`, {num_subs} subscriber(s), never drained",
+                     _per_event_ns(loop(bus.publish), events, repeat)))
+        del subs
+    bus = EventBus(history=10_000)
+    rows.append(("`EventBus.publish`, 0 subscribers, history ring 10k",
+                 _per_event_ns(loop(bus.publish), events, repeat)))
+
+    def publish_and_drain(evs, bus=EventBus(), sub=None):
+        sub = sub or bus.subscribe(maxlen=10_000)
+        for i, e in enumerate(evs):
+            bus.publish(e)
+            if i % 1000 == 999:
+                sub.drain()
+    rows.append(("`EventBus.publish` + `drain()` every 1000 events, 1 subscriber",
+                 _per_event_ns(publish_and_drain, events, repeat)))
+    log = EventLog(maxlen=None)
+    rows.append(("`EventLog.append` (standalone sink)",
+                 _per_event_ns(loop(log.append), events, repeat)))
+    log.drain()
+
+    rows.append(("`to_dict` + JSON encode (writer thread work)",
+                 _per_event_ns(lambda evs: [_encode(e.to_dict()) for e in evs], events, repeat)))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.jsonl")
+        rec = Recorder(path, model="bench", flush_interval_s=3600, maxlen=n + 1)
+        rows.append(("`Recorder` as sink, engine-thread cost (one locked append)",
+                     _per_event_ns(loop(rec), events, 1)))
+        start = time.perf_counter_ns()
+        rec.flush()
+        rows.append(("`Recorder` writer: encode + write + flush, per event",
+                     (time.perf_counter_ns() - start) / n))
+        rec.close()
+
+        def end_to_end(evs):
+            with Recorder(path, model="bench", flush_interval_s=0.05, maxlen=n + 1) as r:
+                for e in evs:
+                    r(e)
+        rows.append(("`Recorder` end to end (sink + background writer + close), per event",
+                     _per_event_ns(end_to_end, events, 3)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--n", type=int, default=200_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args(argv)
+    rows = measure(args.n, args.repeat)
+    print(f"Python {sys.version.split()[0]} on {platform.machine()} "
+          f"({platform.processor() or platform.platform()}), n={args.n}\n")
+    print("| path | ns per event |")
+    print("|---|---:|")
+    for name, ns in rows:
+        print(f"| {name} | {ns:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
