@@ -5,7 +5,8 @@ Imports nothing else of batchtop. See docs/events.md.
 from .bus import EventBus, EventLog, Subscription
 from .events import SCHEMA_VERSION, Event, event_from_dict
 from .export import summary_text, to_chrome_trace, to_csv
-from .metrics import Metrics, MetricsSummary, WindowedRates, percentile, summarize
+from .metrics import Metrics, MetricsSummary, percentile, summarize
+from .rates import WindowedRates
 from .recorder import LogFormatError, LogReader, Recorder, iter_log, read_log
 
 __all__ = [

@@ -4,7 +4,8 @@ from batchtop.telemetry.events import (
     EventsDropped, FirstToken, PrefillChunk, RequestArrived, RequestPreempted, RequestRetired,
     RequestRetracted, StepFinished,
 )
-from batchtop.telemetry.metrics import Distribution, Metrics, WindowedRates, percentile, summarize
+from batchtop.telemetry.metrics import Distribution, Metrics, percentile, summarize
+from batchtop.telemetry.rates import WindowedRates
 from telemetry_samples import STATIC_LENGTHS, static_batch
 
 approx = pytest.approx
