@@ -142,9 +142,8 @@ def to_chrome_trace(header: dict | None, events: Iterable[Event]) -> dict:
             resumed = s.resumed if s is not None else False
             b.end_request(e.request_id, e.from_slot, e.t, f"moved to slot {e.to_slot}")
             b.begin(e.to_slot, e.request_id, e.t, resumed)
-        elif kind is RequestRetired:
-            if e.slot >= 0:
-                b.end_request(e.request_id, e.slot, e.t, f"retired:{e.reason}")
+        elif kind is RequestRetired:     # slot -1 (from the waiting queue) ends nothing open
+            b.end_request(e.request_id, e.slot, e.t, f"retired:{e.reason}")
         elif kind is RequestPreempted:
             b.end_request(e.request_id, e.slot, e.t, "preempted")
         elif kind is RequestRetracted:

@@ -152,3 +152,23 @@ def test_zero_filled_tail_after_a_crash_is_tolerated(tmp_path):
     path.write_bytes(data[:-10] + b"\0" * 300)
     header, events = read_log(path)
     assert events == [EnginePaused(0, 0.0)]
+
+
+def test_concurrent_engine_thread_and_writer_keep_order(tmp_path):
+    import threading
+    path = tmp_path / "run.jsonl"
+    events = [EnginePaused(i, i * 1e-3) for i in range(20_000)]
+    bus = EventBus()
+    rec = Recorder(path, bus=bus, flush_interval_s=0.001)
+
+    def engine():
+        for e in events:
+            bus.publish(e)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    for _ in range(5):
+        rec.flush()                 # a third party flushing meanwhile must not reorder lines
+    thread.join()
+    rec.close()
+    assert read_log(path)[1] == events
