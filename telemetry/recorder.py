@@ -29,7 +29,7 @@ from .events import SCHEMA_VERSION, Event, event_from_dict
 
 HEADER_KIND = "Header"
 SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
-DEFAULT_RECORDER_MAXLEN = 1_000_000
+DEFAULT_RECORDER_MAXLEN = 100_000     # at the default 0.2 s flush: 500k events/s before loss
 
 # Compact separators; default=str keeps an odd knob value (say an enum) from
 # killing the writer thread: it is written as its str().
@@ -84,6 +84,9 @@ class Recorder:
         self.fsync = fsync
         self.num_written = 0
         self.error: BaseException | None = None
+        self._file: IO[str] = open(self.path, "w", encoding="utf-8")
+        self._file.write(_encode(self.header) + "\n")
+        self._file.flush()
         self._source: Subscription | EventLog
         self.sink: Callable[[Event], None]
         if bus is not None:
@@ -92,9 +95,6 @@ class Recorder:
         else:
             self._source = EventLog(maxlen)
             self.sink = self._source.append
-        self._file: IO[str] = open(self.path, "w", encoding="utf-8")
-        self._file.write(_encode(self.header) + "\n")
-        self._file.flush()
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
@@ -118,6 +118,8 @@ class Recorder:
                 self._write_pending()
         except BaseException as exc:     # keep it for close(); the engine must not notice
             self.error = exc
+            if isinstance(self._source, Subscription):
+                self._source.close()     # stop buffering for a writer that is gone
 
     def _write_pending(self) -> None:
         # The lock keeps drain-then-write atomic when flush() races the writer thread,

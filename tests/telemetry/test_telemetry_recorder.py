@@ -172,3 +172,19 @@ def test_concurrent_engine_thread_and_writer_keep_order(tmp_path):
     thread.join()
     rec.close()
     assert read_log(path)[1] == events
+
+
+def test_writer_failure_is_reported_on_close_and_never_reaches_the_engine(tmp_path):
+    bus = EventBus()
+    rec = Recorder(tmp_path / "run.jsonl", bus=bus, flush_interval_s=0.001)
+
+    def disk_full(text):
+        raise OSError(28, "No space left on device")
+    rec._file.write = disk_full
+    bus.publish(EnginePaused(0, 0.0))           # the engine side never sees the error
+    rec._thread.join(timeout=10)                # the writer stops at its first failure
+    assert not rec._thread.is_alive()
+    assert bus.num_subscribers == 0             # and stops buffering for nobody
+    bus.publish(EnginePaused(1, 1.0))
+    with pytest.raises(RuntimeError, match="No space left"):
+        rec.close()
