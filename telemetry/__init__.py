@@ -7,12 +7,14 @@ from .events import SCHEMA_VERSION, Event, event_from_dict
 from .export import summary_text, to_chrome_trace, to_csv
 from .metrics import Metrics, MetricsSummary, percentile, summarize
 from .rates import WindowedRates
-from .recorder import LogFormatError, LogReader, Recorder, iter_log, read_log
+from .recorder import (
+    LogFormatError, LogReader, Recorder, decode_event, encode_event, iter_log, read_log,
+)
 
 __all__ = [
     "SCHEMA_VERSION", "Event", "event_from_dict",
     "EventBus", "EventLog", "Subscription",
-    "Recorder", "LogReader", "LogFormatError", "read_log", "iter_log",
+    "Recorder", "LogReader", "LogFormatError", "read_log", "iter_log", "encode_event", "decode_event",
     "Metrics", "MetricsSummary", "WindowedRates", "percentile", "summarize",
     "to_chrome_trace", "to_csv", "summary_text",
 ]

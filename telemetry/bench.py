@@ -15,7 +15,7 @@ from typing import Callable
 
 from .bus import EventBus, EventLog
 from .events import Event, FirstToken, PrefillChunk, RequestAdmitted, StepFinished, StepPlanned
-from .recorder import Recorder, _encode
+from .recorder import Recorder, encode_event
 
 
 def sample_events(batch_rows: int = 32) -> list[Event]:
@@ -79,7 +79,7 @@ def measure(n: int = 200_000, repeat: int = 5) -> list[tuple[str, float]]:
     log.drain()
 
     rows.append(("`to_dict` + JSON encode (writer thread work)",
-                 _per_event_ns(lambda evs: [_encode(e.to_dict()) for e in evs], events, repeat)))
+                 _per_event_ns(lambda evs: [encode_event(e) for e in evs], events, repeat)))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.jsonl")
         rec = Recorder(path, model="bench", flush_interval_s=3600, maxlen=n + 1)

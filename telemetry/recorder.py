@@ -36,6 +36,19 @@ DEFAULT_RECORDER_MAXLEN = 100_000     # at the default 0.2 s flush: 500k events/
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False, default=str).encode
 
 
+def encode_event(event: Event) -> str:
+    """One compact JSON line (no newline) for an event: the log's and the wire's format."""
+    return _encode(event.to_dict())
+
+
+def decode_event(text: str | bytes) -> Event:
+    """Inverse of encode_event; ValueError on bad JSON, an unknown kind or missing fields."""
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"an event is a JSON object, got {type(data).__name__}")
+    return event_from_dict(data)
+
+
 class LogFormatError(ValueError):
     """The file is not a readable batchtop event log (message names file and line)."""
 
@@ -128,7 +141,7 @@ class Recorder:
             events = self._source.drain()
             if not events:
                 return
-            self._file.write("".join([_encode(e.to_dict()) + "\n" for e in events]))
+            self._file.write("".join([encode_event(e) + "\n" for e in events]))
             self._file.flush()
             if self.fsync:
                 os.fsync(self._file.fileno())
@@ -212,13 +225,13 @@ class LogReader:
             if not raw.strip():
                 continue
             try:
-                data = json.loads(raw)
-                yield event_from_dict(data)
-            except (ValueError, TypeError, AttributeError) as exc:
+                event = decode_event(raw)
+            except (ValueError, TypeError) as exc:
                 if self._rest_is_empty():
                     self.truncated = True
                     return
                 raise self._error(self._line_no, f"corrupt event line: {exc}") from None
+            yield event
 
     def _rest_is_empty(self) -> bool:
         """True when nothing but whitespace follows the current line."""

@@ -4,6 +4,7 @@ import math
 import pytest
 
 from batchtop.telemetry.events import EVENT_TYPES, StepFinished, event_from_dict
+from batchtop.telemetry.recorder import decode_event, encode_event
 from telemetry_samples import one_of_each
 
 
@@ -37,3 +38,18 @@ def test_unknown_kind_and_missing_field_raise():
         event_from_dict({"kind": "Nope", "step": 0, "t": 0.0})
     with pytest.raises(ValueError, match="lacks field"):
         event_from_dict({"kind": "EventsDropped", "step": 0, "t": 0.0})
+
+
+@pytest.mark.parametrize("event", one_of_each(), ids=lambda e: type(e).__name__)
+def test_wire_format_round_trip(event):
+    line = encode_event(event)
+    assert "\n" not in line and line.isascii()
+    assert decode_event(line) == event
+    assert decode_event(line.encode()) == event
+
+
+def test_decode_event_rejects_non_objects():
+    with pytest.raises(ValueError, match="JSON object"):
+        decode_event("[1, 2]")
+    with pytest.raises(ValueError):
+        decode_event('{"kind": "EnginePaused", "step": 1')
