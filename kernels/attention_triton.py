@@ -81,7 +81,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -103,6 +103,8 @@ def _paged_attention_kernel(
     dim_ok = dims < HEAD_DIM
     q_off = (query_start + q_idx).to(tl.int64)[:, None] * stride_query_t + q_head[:, None] * stride_query_h
     q = tl.load(query_ptr + q_off + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
     q_pos = num_cached + q_idx  # causal bound: row sees KV positions 0..q_pos
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -116,11 +118,16 @@ def _paged_attention_kernel(
         block_id = tl.load(block_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         kv_off = block_id * stride_cache_block + (kv_pos % BLOCK_SIZE) * stride_cache_offset
         kv_off += kv_head * stride_cache_head
-        kv_mask = kv_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        # K is loaded already transposed, [DIM_PAD, BLOCK_N], so the dot needs no tl.trans.
+        k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
+                    mask=dim_ok[:, None] & kv_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
+                    mask=kv_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -129,7 +136,9 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        # P is rounded to the cache dtype as on the GPU, even when the dot itself runs in fp32.
+        p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -199,6 +208,8 @@ def paged_attention(
         HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if dim_pad <= 128 else 32,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        # The interpreter's dot multiplies bf16/fp16 as raw integers, so it gets fp32 operands.
+        DOT_IN_FP32=INTERPRET,
         num_warps=4,
     )
     return out

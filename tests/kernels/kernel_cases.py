@@ -131,4 +131,7 @@ MIXED = ([1841, 2048, 96, 5023], [1, 2048, 1, 1])
 # Chunked prefill (new tokens after cached context, ragged against block boundaries), a fresh
 # prefill, a one-token-context chunk and decode rows, interleaved.
 CHUNKED = ([700, 1, 257, 33, 129, 18], [200, 1, 17, 33, 1, 2])
+# The same shape of step, smaller, for the Triton interpreter: still several query tiles and
+# several KV tiles per sequence, with lengths off the block and tile boundaries.
+CHUNKED_SMALL = ([300, 1, 130, 33, 129, 18], [70, 1, 17, 33, 1, 2])
 DECODE_ONLY = ([37, 1, 160, 16, 17], [1, 1, 1, 1, 1])
