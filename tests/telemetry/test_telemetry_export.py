@@ -148,3 +148,15 @@ def test_summary_text_static_batch():
 def test_summary_text_of_empty_run():
     text = summary_text(None, [])
     assert "batch utilisation n/a" in text and "TTFT   n/a" in text
+
+
+def test_trace_survives_missing_ends():
+    # the retirement of "x" was lost (a dropped-events gap): its slice ends where "y" takes the slot
+    events = [
+        RequestAdmitted(1, 1.0, "x", 0, 0, False),
+        RequestAdmitted(5, 2.0, "y", 0, 0, False),
+        RequestRetired(6, 3.0, "y", "stop", 0, 1, 1),
+        RequestRetired(7, 4.0, "ghost", "abort", -1, 1, 0),     # never admitted: no slice
+    ]
+    got = sorted(slices(to_chrome_trace(None, events)))
+    assert got == [("x", 1, 0.0, 1e6, "unknown"), ("y", 1, 1e6, 1e6, "retired:stop")]
