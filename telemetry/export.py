@@ -94,17 +94,21 @@ class _TraceBuilder:
 
     def step(self, e: StepFinished) -> None:
         phases = (e.schedule_s, e.prepare_s, e.forward_s, e.sample_s, e.update_s)
-        start_t = e.t - sum(phases)
+        total = sum(phases)
+        ts, dur = self.us(e.t - total), round(total * 1e6, 3)
         args = {"num_rows": e.num_rows, "num_tokens": e.num_tokens,
                 "num_sampled": len(e.sampled_request_ids)}
         self.out.append({"name": f"step {e.step}", "cat": "step", "ph": "X", "pid": ENGINE_PID,
-                         "tid": STEPS_TID, "ts": self.us(start_t),
-                         "dur": round(sum(phases) * 1e6, 3), "args": args})
-        t = start_t
-        for name, dur in zip(_PHASES, phases):
+                         "tid": STEPS_TID, "ts": ts, "dur": dur, "args": args})
+        # Children are placed from the parent's rounded start and clamped to its end, so
+        # rounding never lets a phase stick out of its step (viewers reject bad nesting).
+        offset = 0.0
+        for name, phase_s in zip(_PHASES, phases):
+            child_ts = round(ts + offset * 1e6, 3)
+            child_dur = max(min(round(phase_s * 1e6, 3), round(ts + dur - child_ts, 3)), 0.0)
             self.out.append({"name": name, "cat": "phase", "ph": "X", "pid": ENGINE_PID,
-                             "tid": STEPS_TID, "ts": self.us(t), "dur": round(dur * 1e6, 3)})
-            t += dur
+                             "tid": STEPS_TID, "ts": child_ts, "dur": child_dur})
+            offset += phase_s
 
 
 def _metadata(pid: int, tid: int | None, name: str, value, sort_index: int | None = None) -> list[dict]:

@@ -160,3 +160,16 @@ def test_trace_survives_missing_ends():
     ]
     got = sorted(slices(to_chrome_trace(None, events)))
     assert got == [("x", 1, 0.0, 1e6, "unknown"), ("y", 1, 1e6, 1e6, "retired:stop")]
+
+
+def test_phase_slices_nest_inside_their_step():
+    import random
+    rng = random.Random(0)
+    events = [StepFinished(k, 1000.0 + k * 0.0137, 1, 1, (), 0, 0, 0, 1,
+                           *(rng.random() * 1e-3 for _ in range(5))) for k in range(1, 200)]
+    trace = to_chrome_trace(None, events)
+    steps = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
+    phases = [e for e in trace["traceEvents"] if e.get("cat") == "phase"]
+    for i, step in enumerate(steps):
+        for p in phases[5 * i: 5 * i + 5]:
+            assert step["ts"] <= p["ts"] and p["ts"] + p["dur"] <= step["ts"] + step["dur"]
