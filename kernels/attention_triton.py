@@ -81,7 +81,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,21 +127,21 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        # "ieee" keeps fp32 steps exact (no TF32); bf16/fp16 operands use tensor cores regardless.
+        s = tl.dot(q, k, input_precision="ieee") * qk_scale
         visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
+        # Every row sees position 0 in the first tile, so m_new is finite from then on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.exp2(s - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         # P is rounded to the cache dtype as on the GPU, even when the dot itself runs in fp32.
         p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc / l_i[:, None]
     o_off = (query_start + q_idx).to(tl.int64)[:, None] * stride_out_t + q_head[:, None] * stride_out_h
     tl.store(out_ptr + o_off + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -207,7 +207,6 @@ def paged_attention(
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if dim_pad <= 128 else 32,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         # The interpreter's dot multiplies bf16/fp16 as raw integers, so it gets fp32 operands.
         DOT_IN_FP32=INTERPRET,
         num_warps=4,
