@@ -14,7 +14,8 @@ from batchtop.telemetry import events as ev
 
 from .batch import PersistentBatch
 from .block_pool import KVCacheManager
-from .config import EngineConfig
+from .config import (BATCHING_MODES, MAX_BATCHED_TOKENS_LIMIT, PREEMPTION_MODES, EngineConfig, check_choice,
+                     check_int)
 from .model import LoadedModel, load_model
 from .request import Request, Status
 from .runner import Runner
@@ -61,8 +62,11 @@ class Engine:
             config.kv_cache_mb * 2**20 // (Runner.kv_bytes_per_token(model_config, dtype) * config.block_size)))
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerKnobs(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold),
+            SchedulerKnobs(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold,
+                           config.batching_mode, config.static_batch_size, config.dynamic_timeout_s,
+                           config.preemption_mode),
             self.kv, config.policy)
+        self._pending_batching_mode: tuple[str, str] | None = None   # (mode, source) until a batch boundary
         self.batch = PersistentBatch(config.layout, config.batch_capacity, self.max_model_len,
                                      -(-self.max_model_len // config.block_size))
         self.runner = Runner(self.loaded.model, num_blocks, config.block_size, dtype)
@@ -93,8 +97,15 @@ class Engine:
     def add_request(self, prompt: str | list[int] | list[dict], sampling: SamplingParams | None = None, *,
                     chat: bool = False, priority: int = 0, request_id: str | None = None) -> str:
         """Validate and queue a request; ValueError (naming the lengths) if it can never be served."""
+        request = self.make_request(prompt, sampling, chat=chat, priority=priority, request_id=request_id)
+        self.enqueue(request)
+        return request.request_id
+
+    def make_request(self, prompt: str | list[int] | list[dict], sampling: SamplingParams | None = None, *,
+                     chat: bool = False, priority: int = 0, request_id: str | None = None) -> Request:
+        """Tokenize and validate without touching the queues (safe from any thread)."""
         sampling = sampling or SamplingParams()
-        if isinstance(prompt, (str, dict)) or (prompt and isinstance(prompt[0], dict)):
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
             if not prompt:
                 raise ValueError("prompt is empty")
             token_ids = self.tokenize(prompt, chat)
@@ -112,15 +123,23 @@ class Engine:
         if needed - 1 > capacity:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {needed} "
                              f"exceeds the whole KV pool of {capacity} tokens")
-        request_id = request_id or f"r{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, sampling, time.monotonic(), priority=priority,
-                          arrival_seq=next(self._arrivals))
-        self.requests[request_id] = request
+        return Request(request_id or f"r{next(self._ids)}", token_ids, sampling, time.monotonic(),
+                       priority=priority, arrival_seq=next(self._arrivals))
+
+    def enqueue(self, request: Request) -> None:
+        """Hand a validated request to the scheduler (engine thread only, between steps)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
-        self._emit(ev.RequestArrived, request_id, len(token_ids), sampling.max_tokens, priority)
-        return request_id
+        self._emit(ev.RequestArrived, request.request_id, request.num_prompt_tokens, request.sampling.max_tokens,
+                   request.priority)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (a long-running engine calls this once its result is read)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.finished:
+            del self.requests[request_id]
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request and free its blocks; False if unknown or finished."""
@@ -132,10 +151,9 @@ class Engine:
         return True
 
     def _retire(self, request: Request, reason: str, slot: int) -> None:
-        self.scheduler.finish(request, reason)
         request.finish_time = time.monotonic()
         self.sampler.forget(request.request_id)
-        if slot >= 0:
+        if self.scheduler.finish(request, reason) and slot >= 0:
             self._retired_from_batch.append(request.request_id)
         self._emit(ev.RequestRetired, request.request_id, reason, slot, request.num_prompt_tokens,
                    request.num_output_tokens)
@@ -148,9 +166,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if not self.scheduler.has_work():
             return []
+        self._apply_pending_batching_mode()
         self.step_count += 1
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(time.monotonic())
+        if not (plan.rows or plan.admitted or plan.preempted or plan.released):
+            self.step_count -= 1          # nothing to do yet (a dynamic batch waiting to fill): not a step
+            return []
         t_schedule = time.perf_counter()
         self._update_batch(plan)
         rows = plan.rows
@@ -178,14 +200,19 @@ class Engine:
 
     def _update_batch(self, plan) -> None:
         """Mirror the scheduler's running set in the persistent batch, then sync block tables."""
-        removed = self._retired_from_batch + [r.request_id for r, _, _ in plan.preempted]
+        removed = (self._retired_from_batch + [r.request_id for r, _, _ in plan.preempted]
+                   + [r.request_id for r in plan.released])
         self._retired_from_batch = []
         slot_before = {rid: self.batch.slot_of.get(rid, -1) for rid in removed}
         update = self.batch.update(removed, [(r.request_id, r.prompt_token_ids + r.output_token_ids)
                                              for r in plan.admitted])
         for request, blocks_freed, tokens in plan.preempted:
-            self._emit(ev.RequestPreempted, request.request_id, slot_before[request.request_id], blocks_freed,
-                       tokens, "kv pool exhausted")
+            if plan.retracting:
+                self._emit(ev.RequestRetracted, request.request_id, slot_before[request.request_id], blocks_freed,
+                           tokens, plan.new_token_ratio)
+            else:
+                self._emit(ev.RequestPreempted, request.request_id, slot_before[request.request_id], blocks_freed,
+                           tokens, "kv pool exhausted")
         for request in plan.admitted:
             request.admit_time = request.admit_time or time.monotonic()
             self._emit(ev.RequestAdmitted, request.request_id, self.batch.slot_of[request.request_id],
@@ -203,18 +230,21 @@ class Engine:
         slot_of = self.batch.slot_of
         slots = np.fromiter((slot_of[r.request.request_id] for r in rows), dtype=np.int64, count=len(rows))
         query_lens = np.fromiter((r.num_tokens for r in rows), dtype=np.int64, count=len(rows))
-        order = self.batch.order(slots, query_lens == 1)
+        order = self.batch.order(slots, np.fromiter((r.request.num_output_tokens > 0 for r in rows), dtype=bool,
+                                                    count=len(rows)))
         if not np.array_equal(order, slots):
             position = {slot: i for i, slot in enumerate(slots.tolist())}
             rows[:] = [rows[position[s]] for s in order.tolist()]
             slots, query_lens = order, query_lens[[position[s] for s in order.tolist()]]
-        starts = np.fromiter((r.request.num_computed_tokens for r in rows), dtype=np.int64, count=len(rows))
+        starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
         samples = np.fromiter((r.samples for r in rows), dtype=bool, count=len(rows))
         return slots, starts, query_lens, samples
 
     def _update(self, rows: list[Row], sampling_rows: list[Row], tokens: list[int]) -> list[RequestOutput]:
         now = time.monotonic()
         for row in rows:
+            if row.padding:
+                continue
             request = row.request
             request.num_computed_tokens += row.num_tokens
             if request.num_computed_tokens < request.num_tokens or request.num_output_tokens == 0:
@@ -243,17 +273,84 @@ class Engine:
         return None
 
     def _emit_plan(self, plan) -> None:
-        prefill_tokens = decode_tokens = num_prefill = num_decode = 0
+        prefill_tokens = decode_tokens = num_prefill = num_decode = num_padding = 0
         for row in plan.rows:
-            if row.num_tokens == 1 and row.request.num_output_tokens > 0:
+            if row.padding:
+                num_padding += 1
+            elif row.num_tokens == 1 and row.request.num_output_tokens > 0:
                 decode_tokens += 1
                 num_decode += 1
             else:
                 prefill_tokens += row.num_tokens
                 num_prefill += 1
-        self._emit(ev.StepPlanned, prefill_tokens, decode_tokens, num_prefill, num_decode, 0, plan.token_budget,
+        self._emit(ev.StepPlanned, prefill_tokens, decode_tokens, num_prefill, num_decode, num_padding,
+                   plan.token_budget,
                    len(self.scheduler.running), len(self.scheduler.waiting), self.kv.num_used_blocks,
                    self.kv.num_blocks)
+
+    # -- knobs ------------------------------------------------------------------------------
+
+    def knobs(self) -> dict[str, object]:
+        k = self.scheduler.knobs
+        return {
+            "max_num_seqs": k.max_num_seqs,
+            "max_num_batched_tokens": k.max_num_batched_tokens,
+            "long_prefill_token_threshold": k.long_prefill_token_threshold,
+            "batching_mode": (self._pending_batching_mode or (k.batching_mode,))[0],
+            "static_batch_size": k.static_batch_size,
+            "dynamic_timeout_s": k.dynamic_timeout_s,
+            "preemption_mode": k.preemption_mode,
+        }
+
+    def validate_knob(self, name: str, value):
+        """The value to set, or ValueError naming the allowed range; changes nothing."""
+        if name in ("max_num_seqs", "static_batch_size"):
+            return check_int(name, _as_int(value), 1, self.batch.capacity)
+        if name in ("max_num_batched_tokens", "long_prefill_token_threshold"):
+            low = 1 if name == "max_num_batched_tokens" else 0
+            return check_int(name, _as_int(value), low, MAX_BATCHED_TOKENS_LIMIT)
+        if name == "batching_mode":
+            return check_choice(name, value, BATCHING_MODES)
+        if name == "preemption_mode":
+            return check_choice(name, value, PREEMPTION_MODES)
+        if name == "dynamic_timeout_s":
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                value = -1.0
+            if not 0 <= value <= 60:
+                raise ValueError(f"dynamic_timeout_s must be a number in [0, 60], got {value!r}")
+            return value
+        raise ValueError(f"unknown knob {name!r}; knobs: {', '.join(self.knobs())}")
+
+    def set_knob(self, name: str, value, source: str = "api") -> None:
+        """Change a knob between steps; the next step obeys it. A batching mode change waits for the
+        current static batch to end. ValueError (nothing changes) when the value is invalid."""
+        value = self.validate_knob(name, value)
+        old = self.knobs()[name]
+        if name == "batching_mode":
+            self._pending_batching_mode = (value, source)
+            self._apply_pending_batching_mode()
+            return
+        setattr(self.scheduler.knobs, name, value)
+        self._emit(ev.KnobChanged, name, old, value, source)
+
+    def _apply_pending_batching_mode(self) -> None:
+        if self._pending_batching_mode is None:
+            return
+        knobs = self.scheduler.knobs
+        at_boundary = knobs.batching_mode == "continuous" or not (self.scheduler.running or self.scheduler.padding)
+        if at_boundary:
+            (mode, source), self._pending_batching_mode = self._pending_batching_mode, None
+            old, knobs.batching_mode = knobs.batching_mode, mode
+            self._emit(ev.KnobChanged, "batching_mode", old, mode, source)
+
+    def refuse(self, command: str, message: str) -> None:
+        """Record that a control command was invalid and changed nothing."""
+        self._emit(ev.CommandRefused, command, message)
+
+    def note_paused(self, paused: bool) -> None:
+        self._emit(ev.EnginePaused if paused else ev.EngineResumed)
 
     # -- blocking convenience ----------------------------------------------------------------
 
@@ -271,3 +368,10 @@ class Engine:
         return Completion(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                           self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True), r.finish_reason,
                           r.arrival_time, r.first_token_time, r.finish_time, r.num_preemptions)
+
+
+def _as_int(value):
+    """Accept ints and integer strings (typed into the dashboard); anything else fails validation."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return value

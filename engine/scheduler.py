@@ -20,17 +20,36 @@ class SchedulerKnobs:
     max_num_seqs: int
     max_num_batched_tokens: int
     long_prefill_token_threshold: int = 0   # 0: a request may take the whole remaining budget
+    batching_mode: str = "continuous"       # continuous | static | dynamic
+    static_batch_size: int = 8              # B of static and dynamic batches
+    dynamic_timeout_s: float = 0.5          # dynamic: form a partial batch once the oldest waited this long
+    preemption_mode: str = "recompute"      # recompute | retract
+
+
+# Retraction's admission estimate (SGLang's new_token_ratio): the share of each running
+# request's remaining max_tokens that admission keeps free. A retraction raises it; it
+# then decays back step by step.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+RETRACT_DECODE_STEPS = 20
 
 
 @dataclass
 class Row:
     request: Request
     num_tokens: int
+    padding: bool = False        # static batching: a finished row computed again, its result thrown away
 
     @property
     def samples(self) -> bool:
         """True when this row's tokens bring the request level with its known tokens."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return not self.padding and self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+    @property
+    def start(self) -> int:
+        """First position computed: a padding row recomputes its last computed position."""
+        return self.request.num_computed_tokens - 1 if self.padding else self.request.num_computed_tokens
 
 
 @dataclass
@@ -38,7 +57,10 @@ class SchedulerOutput:
     rows: list[Row] = field(default_factory=list)      # running order
     admitted: list[Request] = field(default_factory=list)
     preempted: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, blocks freed, tokens to recompute)
+    released: list[Request] = field(default_factory=list)   # static padding rows whose batch ended: leave the batch
     token_budget: int = 0
+    retracting: bool = False     # preempted rows were retracted (new_token_ratio rose)
+    new_token_ratio: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +76,8 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.padding: list[Request] = []        # finished members of the current static batch
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     # -- queues -------------------------------------------------------------------
 
@@ -79,17 +103,48 @@ class Scheduler:
         return self.kv.free(request.request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.padding)
 
     # -- one step -----------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
         out = SchedulerOutput(token_budget=self.knobs.max_num_batched_tokens)
+        if self.padding and not self.running:
+            out.released = self._end_static_batch()
         budget = self._schedule_running(out, out.token_budget)
         # A step that had to take memory away from someone admits nobody new.
-        if not out.preempted:
+        if not out.preempted and self._may_admit(now):
             self._schedule_waiting(out, budget)
+        out.rows += [Row(r, 1, padding=True) for r in self.padding]
+        if self.knobs.preemption_mode == "retract":
+            if not out.preempted:
+                self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            out.retracting = bool(out.preempted)
+        out.new_token_ratio = self.new_token_ratio
         return out
+
+    def _may_admit(self, now: float) -> bool:
+        """continuous: every step is a batch boundary. static and dynamic: only an empty batch takes rows;
+        dynamic also waits until B requests wait or the oldest has waited the timeout."""
+        mode = self.knobs.batching_mode
+        if mode == "continuous":
+            return True
+        if self.running or self.padding or not self.waiting:
+            return False
+        if mode == "dynamic":
+            full = len(self.waiting) >= self._static_batch_size()
+            return full or now - self.waiting[0].arrival_time >= self.knobs.dynamic_timeout_s
+        return True
+
+    def _static_batch_size(self) -> int:
+        return min(self.knobs.static_batch_size, self.knobs.max_num_seqs)
+
+    def _end_static_batch(self) -> list[Request]:
+        """The longest row of the static batch finished: its padding rows give their blocks back."""
+        released, self.padding = self.padding, []
+        for request in released:
+            self.kv.free(request.request_id)
+        return released
 
     def _chunk(self, request: Request, budget: int) -> int:
         num_tokens = min(request.num_tokens_to_compute, budget)
@@ -125,20 +180,38 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.knobs.max_num_seqs:
+        continuous = self.knobs.batching_mode == "continuous"
+        cap = self.knobs.max_num_seqs if continuous else self._static_batch_size()
+        # A static batch is formed whole; its rows may start with no tokens if the budget is short.
+        while self.waiting and (budget > 0 or not continuous) and len(self.running) < cap:
             request = self.waiting[0]
             num_tokens = self._chunk(request, budget)
-            if self.kv.try_allocate(request.request_id, num_tokens) is None:
+            if not self._can_admit(request, num_tokens):
                 break          # head of line waits for memory; nobody jumps the queue
+            self.kv.try_allocate(request.request_id, num_tokens)
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
             out.admitted.append(request)
-            out.rows.append(Row(request, num_tokens))
+            if num_tokens > 0:
+                out.rows.append(Row(request, num_tokens))
             budget -= num_tokens
 
+    def _can_admit(self, request: Request, num_tokens: int) -> bool:
+        """recompute: the first chunk must fit. retract: also keep room for what the running requests
+        are estimated to still generate (new_token_ratio of their remaining max_tokens)."""
+        reserve = 0
+        if self.knobs.preemption_mode == "retract":
+            remaining = sum(r.sampling.max_tokens - r.num_output_tokens for r in self.running)
+            remaining += request.sampling.max_tokens
+            reserve = self.kv.blocks_needed(int(remaining * self.new_token_ratio))
+        return self.kv.can_allocate(request.request_id, num_tokens, reserve)
+
     def _pick_victim(self) -> Request:
-        """Lowest priority first, then the latest arrival."""
+        """recompute: lowest priority first, then the latest arrival.
+        retract: fewest generated tokens (least work lost), ties by the longest prompt."""
+        if self.knobs.preemption_mode == "retract":
+            return min(self.running, key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens))
         if self.policy == "priority":
             return max(self.running, key=_priority_key)
         return max(self.running, key=lambda r: r.arrival_seq)
@@ -154,15 +227,31 @@ class Scheduler:
         victim.status = Status.PREEMPTED
         self._enqueue(victim, front=True)
         out.preempted.append((victim, blocks_freed, tokens_to_recompute))
+        if self.knobs.preemption_mode == "retract":
+            self._raise_new_token_ratio()
+
+    def _raise_new_token_ratio(self) -> None:
+        """After a retraction, estimate that the survivors generate more (SGLang's formula), capped at 1."""
+        decoded = sum(r.num_output_tokens for r in self.running)
+        max_new = sum(r.sampling.max_tokens for r in self.running) or 1
+        estimate = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max_new
+        self.new_token_ratio = min(1.0, max(self.new_token_ratio, estimate))
 
     # -- after the forward pass ------------------------------------------------------
 
-    def finish(self, request: Request, reason: str) -> int:
-        """Retire a request; the number of KV blocks it gave back."""
-        blocks_freed = self.remove(request)
+    def finish(self, request: Request, reason: str) -> bool:
+        """Retire a request. True when it leaves the batch now; False when it stays as a static padding
+        row (its blocks held) until the longest row of its batch finishes."""
+        stays_as_padding = (self.knobs.batching_mode != "continuous" and reason != "abort"
+                            and request.status is Status.RUNNING)
+        if stays_as_padding:
+            self.running.remove(request)
+            self.padding.append(request)
+        else:
+            self.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
-        return blocks_freed
+        return not stays_as_padding
 
 
 def _priority_key(request: Request) -> tuple[int, int]:

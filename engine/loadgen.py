@@ -1,0 +1,139 @@
+"""The built-in load: Poisson arrivals with prompt and output lengths from a distribution, or a trace file.
+
+A trace is JSON Lines, one request per line:
+`{"arrival_s": 0.0, "prompt_tokens": 32, "output_tokens": 1024}` — or `"prompt": "text"` instead of
+`prompt_tokens`. With `output_tokens` the request produces exactly that many tokens (EOS ignored).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+
+DISTRIBUTIONS = ("fixed", "uniform", "exponential", "pareto")
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """fixed: `mean`; uniform: [low, high]; exponential: `mean`; pareto: scale `low`, shape `alpha`.
+
+    Every draw is clipped to [low, high].
+    """
+    kind: str = "exponential"
+    mean: float = 64.0
+    low: int = 1
+    high: int = 1024
+    alpha: float = 1.5
+
+    def __post_init__(self):
+        if self.kind not in DISTRIBUTIONS:
+            raise ValueError(f"length distribution must be one of {', '.join(DISTRIBUTIONS)}, got {self.kind!r}")
+        if not 1 <= self.low <= self.high:
+            raise ValueError(f"need 1 <= low <= high, got low={self.low}, high={self.high}")
+        if not self.mean > 0 or not self.alpha > 0:
+            raise ValueError("mean and alpha must be > 0")
+
+    def draw(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            value = self.mean
+        elif self.kind == "uniform":
+            value = rng.randint(self.low, self.high)
+        elif self.kind == "exponential":
+            value = rng.expovariate(1.0 / self.mean)
+        else:
+            value = self.low * rng.paretovariate(self.alpha)
+        return int(min(max(round(value), self.low), self.high))
+
+
+@dataclass(frozen=True)
+class TraceItem:
+    arrival_s: float
+    output_tokens: int | None
+    prompt_tokens: int | None = None
+    prompt: str | None = None
+
+
+class PoissonLoad:
+    """Arrivals at `rate` per second; `due(elapsed)` hands out every request whose time has come."""
+
+    def __init__(self, rate: float, prompt: LengthDist, output: LengthDist, seed: int = 0):
+        self.rng = random.Random(seed)
+        self.prompt, self.output = prompt, output
+        self.rate = 0.0
+        self._last_s = 0.0
+        self.set_rate(rate)
+
+    def set_rate(self, rate: float) -> None:
+        if not (isinstance(rate, (int, float)) and 0 <= rate <= 10_000 and math.isfinite(rate)):
+            raise ValueError(f"load rate must be in [0, 10000] requests/s, got {rate!r}")
+        self.rate = float(rate)
+        self._next_s = self._last_s + self._gap()
+
+    def _gap(self) -> float:
+        return self.rng.expovariate(self.rate) if self.rate > 0 else math.inf
+
+    def due(self, elapsed_s: float) -> list[TraceItem]:
+        self._last_s = elapsed_s
+        items = []
+        while self._next_s <= elapsed_s:
+            items.append(TraceItem(self._next_s, self.output.draw(self.rng), self.prompt.draw(self.rng)))
+            self._next_s += self._gap()
+        return items
+
+    def next_arrival_s(self) -> float:
+        return self._next_s
+
+
+class TraceLoad:
+    def __init__(self, items: list[TraceItem]):
+        self.items = sorted(items, key=lambda i: i.arrival_s)
+        self._index = 0
+
+    @classmethod
+    def from_file(cls, path: str) -> "TraceLoad":
+        return cls(read_trace(path))
+
+    def due(self, elapsed_s: float) -> list[TraceItem]:
+        start = self._index
+        while self._index < len(self.items) and self.items[self._index].arrival_s <= elapsed_s:
+            self._index += 1
+        return self.items[start:self._index]
+
+    def next_arrival_s(self) -> float:
+        return self.items[self._index].arrival_s if self._index < len(self.items) else math.inf
+
+    @property
+    def exhausted(self) -> bool:
+        return self._index >= len(self.items)
+
+
+def read_trace(path: str) -> list[TraceItem]:
+    items = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                item = TraceItem(float(data["arrival_s"]), _positive(data.get("output_tokens")),
+                                 _positive(data.get("prompt_tokens")), data.get("prompt"))
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: bad trace line ({error})") from None
+            if (item.prompt is None) == (item.prompt_tokens is None):
+                raise ValueError(f"{path}:{number}: give exactly one of prompt_tokens and prompt")
+            items.append(item)
+    return items
+
+
+def _positive(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"token counts must be integers >= 1, got {value!r}")
+    return int(value)
+
+
+def synthetic_prompt(num_tokens: int, rng: random.Random, vocab_low: int = 1000, vocab_high: int = 30000) -> list[int]:
+    """Prompt token ids for a length-only request: ordinary vocabulary, no special tokens."""
+    return [rng.randrange(vocab_low, vocab_high) for _ in range(num_tokens)]

@@ -1,0 +1,190 @@
+"""The engine on its own thread: commands in through a queue, applied between steps.
+
+Callers on other threads (the dashboard, the server) never touch the engine directly:
+they validate here, synchronously, and queue the change. The loop never waits on an
+observer: events leave through the engine's sink, outputs through per-request callbacks
+that must not block.
+"""
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from typing import Callable
+
+from .engine import Engine, RequestOutput
+from .loadgen import synthetic_prompt
+from .sampling import SamplingParams
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, load=None, load_seed: int = 0):
+        self.engine = engine
+        self.load = load                      # anything with due(elapsed_s) and next_arrival_s(), or None
+        self._load_rng = random.Random(load_seed)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._listeners: dict[str, OutputCallback] = {}
+        self._paused = False
+        self._steps_allowed = 0               # single steps granted while paused
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._started_at = 0.0
+        self.error: BaseException | None = None
+
+    # -- life --------------------------------------------------------------------------
+
+    def start(self) -> "EngineLoop":
+        self._started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="batchtop-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(lambda: None)      # wake the loop
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- commands (any thread) ---------------------------------------------------------------
+
+    def call(self, fn: Callable[[], object], timeout: float = 30.0):
+        """Run `fn` on the engine thread between steps and return its result (or raise its error)."""
+        done = threading.Event()
+        box: dict[str, object] = {}
+
+        def command():
+            try:
+                box["value"] = fn()
+            except BaseException as error:   # handed back to the caller
+                box["error"] = error
+            done.set()
+
+        self._commands.put(command)
+        if not done.wait(timeout):
+            raise TimeoutError("the engine did not answer in time")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def set_knob(self, name: str, value, source: str = "api") -> str | None:
+        """Validate now; apply before the next step. The error message, or None when accepted."""
+        try:
+            value = self.engine.validate_knob(name, value)
+        except ValueError as error:
+            message = str(error)
+            self._commands.put(lambda: self.engine.refuse(f"set {name}", message))
+            return message
+        self._commands.put(lambda: self.engine.set_knob(name, value, source))
+        return None
+
+    def pause(self) -> None:
+        self._commands.put(lambda: self._set_paused(True))
+
+    def resume(self) -> None:
+        self._commands.put(lambda: self._set_paused(False))
+
+    def step_once(self) -> None:
+        """While paused: run exactly one more step."""
+        def grant():
+            self._steps_allowed += 1
+        self._commands.put(grant)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self._abort(request_id))
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort(request_id):
+            self._deliver(RequestOutput(request_id, [], True, "abort"))
+
+    def add_request(self, prompt, sampling: SamplingParams | None = None, *, on_output: OutputCallback | None = None,
+                    chat: bool = False, priority: int = 0, request_id: str | None = None) -> str:
+        """Validate now (ValueError on bad input), queue for the next step; outputs go to `on_output`."""
+        request = self.engine.make_request(prompt, sampling, chat=chat, priority=priority, request_id=request_id)
+
+        def enqueue():
+            if on_output is not None:
+                self._listeners[request.request_id] = on_output
+            self.engine.enqueue(request)
+        self._commands.put(enqueue)
+        return request.request_id
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _set_paused(self, paused: bool) -> None:
+        if paused != self._paused:
+            self._paused = paused
+            self._steps_allowed = 0
+            self.engine.note_paused(paused)
+
+    def _apply_commands(self, wait_s: float) -> None:
+        try:
+            command = self._commands.get(timeout=wait_s) if wait_s > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                command()
+            except Exception as error:     # a bad command must not stop the engine
+                self.engine.refuse(getattr(command, "__qualname__", "command"), str(error))
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._admit_load()
+                can_step = self.engine.has_unfinished() and (not self._paused or self._steps_allowed > 0)
+                self._apply_commands(0 if can_step else self._idle_wait())
+                if self._stopping:
+                    break
+                if not self.engine.has_unfinished() or (self._paused and self._steps_allowed == 0):
+                    continue
+                if self._paused:
+                    self._steps_allowed -= 1
+                step_before = self.engine.step_count
+                outputs = self.engine.step()
+                for output in outputs:
+                    self._deliver(output)
+                if self.engine.step_count == step_before:
+                    time.sleep(0.002)        # a dynamic batch is filling: nothing to compute yet
+        except BaseException as error:       # surfaced to the owner; the thread ends
+            self.error = error
+            raise
+
+    def _idle_wait(self) -> float:
+        if self.load is None or self._paused:
+            return 0.5
+        return min(0.5, max(0.0, self.load.next_arrival_s() - (time.monotonic() - self._started_at)))
+
+    def _deliver(self, output: RequestOutput) -> None:
+        listener = self._listeners.get(output.request_id)
+        if listener is not None:
+            listener(output)
+        if output.finished:
+            self._listeners.pop(output.request_id, None)
+            self.engine.release(output.request_id)     # a long-running loop keeps no finished requests
+
+    def _admit_load(self) -> None:
+        if self.load is None or self._paused:
+            return
+        for item in self.load.due(time.monotonic() - self._started_at):
+            prompt = item.prompt if item.prompt is not None else synthetic_prompt(item.prompt_tokens, self._load_rng)
+            exact = item.output_tokens is not None
+            sampling = SamplingParams(max_tokens=item.output_tokens or 256, ignore_eos=exact)
+            try:
+                self.engine.add_request(prompt, sampling)
+            except ValueError as error:
+                self.engine.refuse("load request", str(error))
