@@ -1,0 +1,475 @@
+"""BatchtopApp: the dashboard over any source (engine, replay, a feed of events).
+
+Once per tick (~10 Hz) the app polls its source, folds the new events into the
+view model and refreshes the visible panels: one refresh per tick, never one
+message per event. Keys map to `action_*` methods (see BINDINGS and `?`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal
+from textual.widgets import ContentSwitcher, Footer, Static
+
+from .model import DashboardModel
+from .plots import PLOT_WINDOWS_S, PLOTS, PlotPanel
+from .screens import ConfirmScreen, HelpScreen, PromptScreen
+from .sources import ENGINE_KNOBS, LOAD_KNOBS, Source
+from .tables import COLUMNS, EventLogView, RequestTable
+from .widgets import HeaderBar, KvPanel, SlotGrid, TimelineView
+
+VIEWS = ("requests", "plots", "events", "timeline")
+BATCHING_MODES = ("continuous", "static", "dynamic")
+LENGTH_DISTS = ("fixed", "uniform", "exponential", "pareto")
+KNOB_ALIASES = {
+    "seqs": "max_num_seqs", "max_seqs": "max_num_seqs",
+    "budget": "max_num_batched_tokens", "tokens": "max_num_batched_tokens",
+    "chunk": "long_prefill_token_threshold", "threshold": "long_prefill_token_threshold",
+    "mode": "batching_mode", "rate": "load_rate", "dist": "length_dist",
+}
+WIDE_COLUMNS = 130        # from here on the timeline sits beside the request table
+
+
+class LoadingSource(Source):
+    """Stands in while the engine loads, so the screen shows progress instead of a blank."""
+
+    kind = "loading"
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+        self.started = time.monotonic()
+        self.error: str | None = None
+        self.meta = {"model": what}
+
+    def status(self) -> str:
+        if self.error:
+            return f"failed: {self.error}"
+        return f"loading {self.what} {time.monotonic() - self.started:.0f}s"
+
+
+class BatchtopApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "batchtop"
+
+    BINDINGS = [
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("space", "toggle_pause", "pause"),
+        Binding("n,full_stop", "step", "step", key_display="n ."),
+        Binding("comma", "step_back", "step back (replay)", show=False, key_display=","),
+        Binding("g", "seek", "seek to step (replay)", show=False),
+        Binding("plus,equals_sign", "speed(True)", "replay faster", show=False, key_display="+"),
+        Binding("minus", "speed(False)", "replay slower", show=False, key_display="-"),
+        Binding("k", "type_knob", "knob"),
+        Binding("m", "knob_step('max_num_seqs', False)", "max_num_seqs ÷2", show=False),
+        Binding("M", "knob_step('max_num_seqs', True)", "max_num_seqs ×2", show=False),
+        Binding("t", "knob_step('max_num_batched_tokens', False)", "token budget ÷2", show=False),
+        Binding("T", "knob_step('max_num_batched_tokens', True)", "token budget ×2", show=False),
+        Binding("c", "knob_step('long_prefill_token_threshold', False)", "chunk threshold ÷2 (→0: off)",
+                show=False),
+        Binding("C", "knob_step('long_prefill_token_threshold', True)", "chunk threshold ×2", show=False),
+        Binding("b", "cycle_knob('batching_mode')", "cycle batching mode", show=False),
+        Binding("left_square_bracket", "knob_step('load_rate', False)", "load rate ÷1.5", show=False,
+                key_display="["),
+        Binding("right_square_bracket", "knob_step('load_rate', True)", "load rate ×1.5", show=False,
+                key_display="]"),
+        Binding("d", "cycle_knob('length_dist')", "cycle length distribution", show=False),
+        Binding("a", "abort", "abort"),
+        Binding("r", "record", "rec"),
+        Binding("1", "view('requests')", "requests view", show=False),
+        Binding("2", "view('plots')", "plots view", show=False),
+        Binding("3", "view('events')", "events view", show=False),
+        Binding("4,enter", "view('timeline')", "timeline of the selected request", show=False,
+                key_display="4 ⏎"),
+        Binding("up", "move(-1)", "select up / scroll", show=False),
+        Binding("down", "move(1)", "select down / scroll", show=False),
+        Binding("pageup", "move(-10)", "page up", show=False),
+        Binding("pagedown", "move(10)", "page down", show=False),
+        Binding("s", "sort(False)", "sort by next column", show=False),
+        Binding("S", "sort(True)", "reverse sort", show=False),
+        Binding("x", "toggle_finished", "show/hide finished requests", show=False),
+        Binding("f", "filter_kinds", "event log: filter kinds", show=False),
+        Binding("slash", "filter_request", "event log: filter request id", show=False, key_display="/"),
+        Binding("e", "toggle_step_events", "event log: show/hide step events", show=False),
+        Binding("v", "freeze", "event log: freeze/unfreeze view", show=False),
+        Binding("w", "plot_window", "plots: next time window", show=False),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, source: Source | None = None, *, source_factory: Callable[[], Source] | None = None,
+                 loading_what: str = "engine", tick_s: float | None = 0.1, clock: Callable[[], float] | None = None,
+                 plot_every: int = 10, record_path: str | None = None):
+        super().__init__()
+        self.source: Source = source or LoadingSource(loading_what)
+        self._source_factory = source_factory
+        self._tick_s = tick_s
+        self._clock = clock
+        self._plot_every = plot_every
+        self._record_path = record_path
+        self.model = self._new_model()
+        self.view = "requests"
+        self.plot_window = PLOT_WINDOWS_S[1]
+        self.status_message = ""
+        self._seen_model_message = ""
+        self._ticks = 0
+        self._plots_dirty = True
+
+    def _new_model(self) -> DashboardModel:
+        knobs = dict(self.source.knobs)
+        return DashboardModel(block_size=int(knobs.get("block_size") or 16), knobs=knobs)
+
+    # -- layout ----------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield HeaderBar(id="header")
+        with Horizontal(id="top"):
+            yield SlotGrid(id="slots")
+            yield KvPanel(id="kv")
+        yield Static(id="viewbar")
+        with ContentSwitcher(initial="requests", id="views"):
+            with Horizontal(id="requests"):
+                yield RequestTable(id="table")
+                yield TimelineView(id="timeline-side")
+            with Grid(id="plots"):
+                for name in PLOTS:
+                    yield PlotPanel(name, id=f"plot-{name}", classes="plot")
+            yield EventLogView(id="events")
+            yield TimelineView(id="timeline")
+        yield Static(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.header = self.query_one(HeaderBar)
+        self.slots = self.query_one(SlotGrid)
+        self.kv = self.query_one(KvPanel)
+        self.table = self.query_one(RequestTable)
+        self.events = self.query_one(EventLogView)
+        self.switcher = self.query_one(ContentSwitcher)
+        self.plot_panels = list(self.query(PlotPanel))
+        self.timelines = list(self.query(TimelineView))
+        self._render_viewbar()
+        if self._tick_s:
+            self.set_interval(self._tick_s, self.tick)
+        if self._source_factory is not None:
+            self._load_source()
+
+    def on_resize(self, event) -> None:
+        width, height = self.size
+        self.screen.set_class(width >= WIDE_COLUMNS, "wide")
+        self._fit_top()
+        self._plots_dirty = True
+
+    def _fit_top(self) -> None:
+        """Give the slot grid the lines it needs, within a third of the screen (7 lines at least)."""
+        width, height = self.size
+        wanted = self.slots.wanted_height(self.slots.size.width or width - 38)
+        top = min(max(7, wanted), max(7, (height - 7) // 3))
+        if self.query_one("#top").styles.height != top:
+            self.query_one("#top").styles.height = top
+
+    @work(thread=True, exclusive=True)
+    def _load_source(self) -> None:
+        """Build the real source off the UI thread (a model load takes seconds)."""
+        try:
+            source = self._source_factory()
+        except Exception as error:     # shown in the header; the app stays up to say so
+            self.call_from_thread(self._source_failed, f"{type(error).__name__}: {error}")
+            return
+        self.call_from_thread(self.attach_source, source)
+
+    def _source_failed(self, message: str) -> None:
+        if isinstance(self.source, LoadingSource):
+            self.source.error = message
+        self.say(message, error=True)
+
+    def attach_source(self, source: Source) -> None:
+        """Switch to `source` (starting it when it has a start()) and start from an empty model."""
+        self.source = source
+        self.model = self._new_model()
+        start = getattr(source, "start", None)
+        if start is not None:
+            start()
+        if self._record_path:
+            self.say(source.start_recording(self._record_path) or f"recording to {self._record_path}")
+        self.tick()
+
+    def now(self) -> float | None:
+        if self._clock is not None:
+            return self._clock()
+        return self.source.now() or self.model.last_t
+
+    # -- the tick ------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Drain the source into the model and refresh what is visible: the UI's only heartbeat."""
+        poll = self.source.poll()
+        if poll.reset:
+            self.model = self._new_model()
+            self._plots_dirty = True
+        if poll.events:
+            self.model.feed(poll.events)
+        now = self.now()
+        if now is not None:
+            self.model.advance(now)
+        self._ticks += 1
+        if self._ticks % 10 == 1:
+            self._fit_top()
+        if self.model.message != self._seen_model_message:
+            self._seen_model_message = self.status_message = self.model.message
+        self.refresh_views()
+
+    def refresh_views(self) -> None:
+        self.header.refresh()
+        self.slots.refresh()
+        self.kv.refresh()
+        if self.view == "requests":
+            self.table.refresh()
+            if self.screen.has_class("wide"):
+                self.timelines[0].refresh()
+        elif self.view == "events":
+            self.events.refresh()
+        elif self.view == "timeline":
+            self.timelines[1].refresh()
+        elif self.view == "plots" and (self._plots_dirty or self._ticks % self._plot_every == 0):
+            self.redraw_plots()
+        self.query_one("#status", Static).update(self.status_message)
+
+    def redraw_plots(self) -> None:
+        for panel in self.plot_panels:
+            panel.redraw(self.model, self.plot_window)
+        self._plots_dirty = False
+
+    def say(self, message: str, error: bool = False) -> None:
+        self.status_message = f"[b red]{message}[/]" if error else message
+        self.query_one("#status", Static).update(self.status_message)
+
+    def _answer(self, error: str | None, ok: str = "") -> None:
+        if error:
+            self.say(error, error=True)
+        elif ok:
+            self.say(ok)
+        self.refresh_views()
+
+    @property
+    def selected_request(self) -> str | None:
+        return self.table.selected
+
+    def _render_viewbar(self) -> None:
+        labels = []
+        for i, name in enumerate(VIEWS, 1):
+            labels.append(f"[reverse b] {i} {name} [/]" if name == self.view else f" {i} {name} ")
+        extra = f"  window {self.plot_window:g}s (w)" if self.view == "plots" else ""
+        self.query_one("#viewbar", Static).update("".join(labels) + extra)
+
+    # -- actions: engine control ---------------------------------------------------------------
+
+    def action_help(self) -> None:
+        intro = f"source: {self.source.kind}" + ("  (knobs are read-only)" if self.source.read_only else "")
+        self.push_screen(HelpScreen(self.BINDINGS, intro))
+
+    def action_toggle_pause(self) -> None:
+        self._answer(self.source.toggle_pause())
+
+    def action_step(self) -> None:
+        self._answer(self.source.step_once())
+
+    def action_step_back(self) -> None:
+        self._answer(self.source.step_back())
+
+    def action_speed(self, faster: bool) -> None:
+        self._answer(self.source.change_speed(faster))
+
+    def action_seek(self) -> None:
+        def done(value: str | None) -> None:
+            if not value:
+                return
+            try:
+                step = int(value)
+            except ValueError:
+                self.say(f"not a step number: {value!r}", error=True)
+                return
+            self._answer(self.source.seek(step), f"seek to step {step}")
+        self.push_screen(PromptScreen("seek to step:", placeholder="step number"), done)
+
+    # -- actions: knobs -----------------------------------------------------------------------
+
+    def set_knob(self, name: str, value) -> str | None:
+        """Ask the source to change a knob; the refusal (a message) or None. Shown either way."""
+        name = KNOB_ALIASES.get(name, name)
+        if name not in ENGINE_KNOBS + LOAD_KNOBS:
+            error = f"unknown knob {name!r}; knobs: {', '.join(ENGINE_KNOBS + LOAD_KNOBS)}"
+        else:
+            error = self.source.set_knob(name, value)
+        if error:
+            self.say(f"refused: {error}", error=True)
+            return error
+        if name == "batching_mode":
+            self.say(f"batching_mode → {value} requested (applies at the next batch boundary)")
+        else:
+            self.model.knobs[name] = _coerce(value)     # KnobChanged confirms it a tick later
+            self.say(f"{name} → {value}")
+        self.refresh_views()
+        return None
+
+    def action_type_knob(self) -> None:
+        if self.source.read_only:
+            self.say(self.source.set_knob("", None) or "read-only", error=True)
+            return
+
+        def done(value: str | None) -> None:
+            if not value:
+                return
+            name, _, raw = value.replace("=", " ").partition(" ")
+            if not raw.strip():
+                self.say(f"type name=value, e.g. max_num_seqs=32 (got {value!r})", error=True)
+                return
+            self.set_knob(name.strip(), raw.strip())
+        self.push_screen(PromptScreen(
+            "knob=value  (max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, "
+            "batching_mode, load_rate, length_dist; short: seqs budget chunk mode rate dist)",
+            placeholder="max_num_seqs=32"), done)
+
+    def action_knob_step(self, name: str, up: bool) -> None:
+        current = self.model.knobs.get(name)
+        if not isinstance(current, (int, float)):
+            self.say(f"{name} is not known here" if not self.source.read_only else
+                     self.source.set_knob(name, current) or "", error=True)
+            return
+        if name == "load_rate":
+            new = round(current * 1.5 if current else 0.5, 2) if up else round(current / 1.5, 2)
+        elif name == "long_prefill_token_threshold":
+            new = (current * 2 if current else 16) if up else (current // 2 if current > 16 else 0)
+        else:
+            new = current * 2 if up else max(1, current // 2)
+        self.set_knob(name, new)
+
+    def action_cycle_knob(self, name: str) -> None:
+        choices = BATCHING_MODES if name == "batching_mode" else LENGTH_DISTS
+        current = self.model.knobs.get(name)
+        new = choices[(choices.index(current) + 1) % len(choices)] if current in choices else choices[0]
+        self.set_knob(name, new)
+
+    # -- actions: requests ----------------------------------------------------------------------
+
+    def action_abort(self) -> None:
+        request_id = self.selected_request
+        if request_id is None:
+            self.say("no request selected", error=True)
+            return
+        if self.source.read_only:
+            self.say(self.source.abort(request_id) or "read-only", error=True)
+            return
+
+        def done(yes: bool | None) -> None:
+            if yes:
+                self._answer(self.source.abort(request_id), f"abort {request_id} sent")
+        self.push_screen(ConfirmScreen(f"Abort request {request_id}?"), done)
+
+    def action_view(self, name: str) -> None:
+        self.view = name
+        self.switcher.current = name
+        self._plots_dirty = True
+        self._render_viewbar()
+        self.refresh_views()
+
+    def action_move(self, delta: int) -> None:
+        if self.view == "events":
+            if self.events.frozen is None:
+                self.say("freeze the event log (v) to scroll it")
+                return
+            self.events.scroll_back = max(0, self.events.scroll_back - delta)
+            self.events.refresh()
+        else:
+            self.table.move(delta)
+            for timeline in self.timelines:
+                timeline.refresh()
+
+    def action_sort(self, reverse: bool) -> None:
+        if reverse:
+            self.table.sort_reverse = not self.table.sort_reverse
+        else:
+            self.table.sort_column = (self.table.sort_column + 1) % len(COLUMNS)
+        self.say(f"sorted by {COLUMNS[self.table.sort_column].name}"
+                 f"{' (reversed)' if self.table.sort_reverse else ''}")
+        self.table.refresh()
+
+    def action_toggle_finished(self) -> None:
+        self.table.show_finished = not self.table.show_finished
+        self.say("finished requests " + ("shown" if self.table.show_finished else "hidden"))
+        self.table.refresh()
+
+    # -- actions: event log, plots ---------------------------------------------------------------
+
+    def action_filter_kinds(self) -> None:
+        def done(value: str | None) -> None:
+            if value is None:
+                return
+            kinds = tuple(k.strip().lower() for k in value.replace(" ", ",").split(",") if k.strip())
+            self.events.kinds = () if kinds in ((), ("all",)) else kinds
+            self.action_view("events")
+        self.push_screen(PromptScreen("event kinds to show (comma-separated parts of names, e.g. "
+                                      "preempt,retired,knob; empty: all)", ",".join(self.events.kinds)), done)
+
+    def action_filter_request(self) -> None:
+        def done(value: str | None) -> None:
+            if value is None:
+                return
+            self.events.request_id = value or None
+            self.action_view("events")
+        self.push_screen(PromptScreen("request id to follow in the event log (empty: all)",
+                                      self.selected_request or ""), done)
+
+    def action_toggle_step_events(self) -> None:
+        self.events.show_steps = not self.events.show_steps
+        self.events.refresh()
+
+    def action_freeze(self) -> None:
+        if self.events.frozen is None:
+            self.events.freeze(list(self.model.log))
+            self.say("event log frozen (the engine runs on); v to follow again, ↑/↓ to scroll")
+        else:
+            self.events.freeze(None)
+            self.say("event log follows the engine")
+        self.events.refresh()
+
+    def action_plot_window(self) -> None:
+        i = PLOT_WINDOWS_S.index(self.plot_window) if self.plot_window in PLOT_WINDOWS_S else 0
+        self.plot_window = PLOT_WINDOWS_S[(i + 1) % len(PLOT_WINDOWS_S)]
+        self._plots_dirty = True
+        self._render_viewbar()
+        self.refresh_views()
+
+    # -- actions: recording ----------------------------------------------------------------------
+
+    def action_record(self) -> None:
+        if self.source.recording:
+            path = self.source.recording
+            self._answer(self.source.stop_recording(), f"recording saved to {path}")
+            return
+        if self.source.read_only:
+            self.say("this source cannot record", error=True)
+            return
+
+        def done(path: str | None) -> None:
+            if path:
+                self._answer(self.source.start_recording(path), f"recording to {path}")
+        default = time.strftime("batchtop-%Y%m%d-%H%M%S.jsonl")
+        self.push_screen(PromptScreen("record events to (JSONL):", default), done)
+
+    def on_unmount(self) -> None:
+        self.source.close()
+
+
+def _coerce(value):
+    """'32' → 32, '1.5' → 1.5, anything else unchanged (for the optimistic knob display)."""
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    return value

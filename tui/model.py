@@ -1,0 +1,447 @@
+"""The dashboard's view model: events folded into plain state that widgets render.
+
+`DashboardModel.feed(events)` is the only writer; it runs on the UI thread once per
+tick. Everything it keeps is bounded: live requests (MAX_LIVE_REQUESTS), retired ones
+(MAX_RETIRED_REQUESTS), per-request timelines, the event log and the plot histories
+(deques with maxlen). Widgets read it and never mutate it.
+
+Slots come from RequestAdmitted / RowMoved / RequestRetired / RequestPreempted /
+RequestRetracted; a slot's look during the last finished step comes from what its
+request did in that step (PrefillChunk → prefill, sampled → decode). Marks such as
+"just admitted" belong to the step they happened in and fade when a later step finishes.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from batchtop.telemetry.events import (
+    BatchRebuilt, CommandRefused, EnginePaused, EngineResumed, Event, EventsDropped, FirstToken,
+    KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted, RequestRetired,
+    RequestRetracted, RowMoved, StepFinished, StepPlanned,
+)
+from batchtop.telemetry.metrics import percentile
+from batchtop.telemetry.rates import WindowedRates
+
+MAX_LIVE_REQUESTS = 4096        # waiting + running tracked one by one; the oldest never-admitted go first
+MAX_RETIRED_REQUESTS = 256      # finished requests kept for the table and their timelines
+MAX_TIMELINE = 48               # entries per request timeline
+MAX_LOG_EVENTS = 2000           # the event log ring
+MAX_SLOTS = 4096                # slot grid ceiling, whatever the events claim
+HISTORY_BUCKET_S = 0.5          # one plot point per half second of event time
+MAX_HISTORY = 1200              # 10 minutes of plot points
+MAX_LATENCY_SAMPLES = 256       # recent TTFT / TPOT values behind the percentiles
+MAX_KNOB_MARKS = 64
+RATE_WINDOW_S = 5.0
+
+# Slot kinds, in legend order: (glyph, style, short label, long label).
+SLOT_KINDS: dict[str, tuple[str, str, str, str]] = {
+    "decode": ("█", "green", "dec", "decode: one token this step"),
+    "prefill": ("▓", "yellow", "pre", "prefill chunk this step"),
+    "stalled": ("▒", "bright_black", "idle", "running, no tokens this step"),
+    "admitted": ("+", "bold bright_green", "new", "just admitted"),
+    "moved": ("↓", "bold magenta", "moved", "just moved by condense"),
+    "padding": ("░", "blue", "pad", "padding: finished row of a static batch"),
+    "retracted": ("×", "bold red", "out", "just preempted or retracted"),
+    "hole": ("○", "red", "hole", "hole: free slot below a live row"),
+    "free": ("·", "bright_black", "free", "free"),
+}
+
+LIVE_STATES = ("waiting", "running", "preempted")
+
+
+@dataclass(slots=True)
+class RequestView:
+    """One request as the events told it; times are event `t` (engine monotonic seconds)."""
+    request_id: str
+    state: str = "waiting"               # waiting | running | preempted | <finish reason>
+    slot: int = -1
+    num_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    arrival_t: float | None = None
+    first_token_t: float | None = None
+    finish_t: float | None = None
+    ttft_s: float | None = None
+    num_preemptions: int = 0
+    last_chunk_step: int = -1
+    last_sample_step: int = -1
+    timeline: deque = field(default_factory=lambda: deque(maxlen=MAX_TIMELINE))
+
+    @property
+    def finished(self) -> bool:
+        return self.state not in LIVE_STATES
+
+    def kv_blocks(self, block_size: int) -> int | None:
+        """Blocks the request holds, estimated from its computed tokens (None when not resident)."""
+        if self.state != "running" or block_size <= 0:
+            return None
+        return -(-self.num_computed_tokens // block_size)
+
+    def age_s(self, now: float) -> float | None:
+        if self.arrival_t is None:
+            return None
+        end = self.finish_t if self.finish_t is not None else now
+        return max(0.0, end - self.arrival_t)
+
+    def note(self, step: int, t: float, text: str) -> None:
+        self.timeline.append((step, t, text))
+
+
+@dataclass(slots=True)
+class HistoryPoint:
+    """One plot sample: rates over its bucket, levels at its end, latency percentiles so far."""
+    t: float
+    out_tok_s: float
+    in_tok_s: float
+    running: int
+    waiting: int
+    kv_pct: float
+    ttft_p50: float | None
+    ttft_p99: float | None
+    tpot_p50: float | None
+    tpot_p99: float | None
+
+
+@dataclass(slots=True)
+class KnobMark:
+    t: float
+    step: int
+    name: str
+    old: object
+    new: object
+    source: str
+
+
+@dataclass
+class DashboardModel:
+    block_size: int = 16
+    knobs: dict = field(default_factory=dict)
+    # header numbers
+    step: int = 0                        # newest step number seen in any event
+    finished_step: int = 0               # newest StepFinished
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used: int = 0
+    kv_total: int = 0
+    budget_used: int = 0
+    token_budget: int = 0
+    num_padding_rows: int = 0
+    paused: bool = False
+    last_t: float | None = None
+    num_events: int = 0
+    num_dropped: int = 0
+    message: str = ""                    # latest refusal or knob change, for the status line
+
+    def __post_init__(self):
+        self.live: dict[str, RequestView] = {}
+        self.retired: OrderedDict[str, RequestView] = OrderedDict()
+        self.slots: list[str | None] = []
+        self.marks: dict[int, tuple[str, int]] = {}          # slot -> (kind, step)
+        self.padding_slots: list[int] = []                     # static batch: finished rows still computed
+        self.log: deque[Event] = deque(maxlen=MAX_LOG_EVENTS)
+        self.history: deque[HistoryPoint] = deque(maxlen=MAX_HISTORY)
+        self.knob_marks: deque[KnobMark] = deque(maxlen=MAX_KNOB_MARKS)
+        self.ttft_samples: deque[float] = deque(maxlen=MAX_LATENCY_SAMPLES)
+        self.tpot_samples: deque[float] = deque(maxlen=MAX_LATENCY_SAMPLES)
+        self.rates = WindowedRates(RATE_WINDOW_S)
+        self._bucket_end: float | None = None
+        self._bucket_out = 0
+        self._bucket_in = 0
+        self._handlers = {
+            StepPlanned: self._on_planned, StepFinished: self._on_finished,
+            RequestArrived: self._on_arrived, RequestAdmitted: self._on_admitted,
+            PrefillChunk: self._on_chunk, FirstToken: self._on_first_token,
+            RequestRetired: self._on_retired, RowMoved: self._on_moved,
+            RequestPreempted: self._on_preempted, RequestRetracted: self._on_retracted,
+            KnobChanged: self._on_knob, CommandRefused: self._on_refused,
+            EnginePaused: self._on_paused, EngineResumed: self._on_resumed,
+            EventsDropped: self._on_dropped, BatchRebuilt: None,
+        }
+
+    # -- folding ---------------------------------------------------------------------------
+
+    def feed(self, events: list[Event]) -> None:
+        """Fold a batch of events (oldest first). Replaying backwards means a fresh model."""
+        handlers = self._handlers
+        log = self.log
+        self.num_events += len(events)
+        for event in events:
+            t = event.t
+            if self._bucket_end is None:
+                self._bucket_end = t + HISTORY_BUCKET_S
+            elif t >= self._bucket_end:
+                self._close_buckets(t)
+            if event.step > self.step:
+                self.step = event.step
+            self.last_t = t
+            handler = handlers.get(type(event))
+            if handler is not None:
+                handler(event)
+            log.append(event)
+        self.rates.feed(events)
+
+    def advance(self, now: float) -> None:
+        """Close the plot buckets that ended before `now` (an idle engine still draws a flat line)."""
+        if self._bucket_end is not None and now >= self._bucket_end:
+            self._close_buckets(now)
+
+    def _close_buckets(self, t: float) -> None:
+        """Emit one point per finished bucket up to `t`; a long gap emits zero-rate points."""
+        while t >= self._bucket_end:
+            self.history.append(HistoryPoint(
+                self._bucket_end, self._bucket_out / HISTORY_BUCKET_S, self._bucket_in / HISTORY_BUCKET_S,
+                self.num_running, self.num_waiting, self.kv_pct,
+                *_p50_p99(self.ttft_samples), *_p50_p99(self.tpot_samples)))
+            self._bucket_out = self._bucket_in = 0
+            self._bucket_end += HISTORY_BUCKET_S
+            if t - self._bucket_end > HISTORY_BUCKET_S * MAX_HISTORY:
+                # Skip whole empty buckets that would fall out of the history anyway.
+                self._bucket_end = t - HISTORY_BUCKET_S * MAX_HISTORY
+
+    def _request(self, request_id: str) -> RequestView:
+        """The live view of `request_id`, created when events were lost or it was evicted."""
+        req = self.live.get(request_id)
+        if req is None:
+            req = self.live[request_id] = RequestView(request_id)
+            self._bound_live()
+        return req
+
+    def _bound_live(self) -> None:
+        if len(self.live) <= MAX_LIVE_REQUESTS:
+            return
+        for request_id, req in self.live.items():
+            if req.state == "waiting" and req.slot < 0:
+                del self.live[request_id]
+                return
+        self.live.pop(next(iter(self.live)))
+
+    def _on_planned(self, e: StepPlanned) -> None:
+        self.num_running, self.num_waiting = e.num_running, e.num_waiting
+        self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
+        self.budget_used = e.prefill_tokens + e.decode_tokens
+        self.token_budget = e.token_budget
+        self.num_padding_rows = e.num_padding_rows
+        if e.num_padding_rows == 0:
+            self.padding_slots.clear()
+        elif len(self.padding_slots) > e.num_padding_rows:
+            del self.padding_slots[:len(self.padding_slots) - e.num_padding_rows]
+
+    def _on_finished(self, e: StepFinished) -> None:
+        self.finished_step = e.step
+        self.num_running, self.num_waiting = e.num_running, e.num_waiting
+        self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
+        step = e.step
+        live = self.live
+        for request_id in e.sampled_request_ids:
+            req = live.get(request_id)
+            if req is None:
+                if request_id in self.retired:
+                    continue                          # it sampled its last token and retired this step
+                req = self._request(request_id)
+            if req.last_chunk_step != step:
+                req.num_computed_tokens += 1          # a decode row computed its last token
+            req.num_output_tokens += 1
+            req.last_sample_step = step
+        self._bucket_out += len(e.sampled_request_ids)
+
+    def _on_arrived(self, e: RequestArrived) -> None:
+        req = self._request(e.request_id)
+        req.num_prompt_tokens, req.max_tokens, req.arrival_t = e.num_prompt_tokens, e.max_tokens, e.t
+        req.note(e.step, e.t, f"arrived: {e.num_prompt_tokens} prompt tokens, max {e.max_tokens}")
+
+    def _on_admitted(self, e: RequestAdmitted) -> None:
+        req = self._request(e.request_id)
+        req.state, req.slot = "running", e.slot
+        req.num_computed_tokens = e.num_computed_tokens
+        self._occupy(e.slot, e.request_id)
+        self.marks[e.slot] = ("admitted", e.step)
+        if e.slot in self.padding_slots:
+            self.padding_slots.remove(e.slot)
+        req.note(e.step, e.t, f"{'resumed' if e.resumed else 'admitted'} into slot {e.slot}")
+
+    def _on_chunk(self, e: PrefillChunk) -> None:
+        req = self._request(e.request_id)
+        req.num_computed_tokens = e.num_computed_tokens
+        req.last_chunk_step = e.step
+        self._bucket_in += e.num_tokens
+        req.note(e.step, e.t, f"chunk {e.num_tokens} tokens ({e.num_computed_tokens}/{e.num_known_tokens})")
+
+    def _on_first_token(self, e: FirstToken) -> None:
+        req = self._request(e.request_id)
+        if req.first_token_t is None:
+            req.first_token_t, req.ttft_s = e.t, e.ttft_s
+            self.ttft_samples.append(e.ttft_s)
+            req.note(e.step, e.t, f"first token, TTFT {e.ttft_s * 1000:.0f} ms")
+
+    def _on_retired(self, e: RequestRetired) -> None:
+        req = self.live.pop(e.request_id, None) or self.retired.pop(e.request_id, None) \
+            or RequestView(e.request_id)
+        req.state, req.finish_t = e.reason, e.t
+        req.num_output_tokens = e.num_output_tokens
+        if req.num_prompt_tokens is None:
+            req.num_prompt_tokens = e.num_prompt_tokens
+        if req.first_token_t is not None and e.num_output_tokens >= 2:
+            self.tpot_samples.append((e.t - req.first_token_t) / (e.num_output_tokens - 1))
+        if e.slot >= 0:
+            self._vacate(e.slot, e.request_id)
+            # A static batch keeps computing a finished row until its longest row is done.
+            static = self.num_padding_rows > 0 or self.knobs.get("batching_mode") in ("static", "dynamic")
+            if static and e.reason != "abort":
+                self.padding_slots.append(e.slot)
+        req.slot = -1
+        req.note(e.step, e.t, f"retired: {e.reason}, {e.num_output_tokens} output tokens")
+        self._keep_retired(req)
+
+    def _keep_retired(self, req: RequestView) -> None:
+        self.retired[req.request_id] = req
+        while len(self.retired) > MAX_RETIRED_REQUESTS:
+            self.retired.popitem(last=False)
+
+    def _on_moved(self, e: RowMoved) -> None:
+        req = self._request(e.request_id)
+        self._vacate(e.from_slot, e.request_id)
+        self._occupy(e.to_slot, e.request_id)
+        req.slot = e.to_slot
+        self.marks[e.to_slot] = ("moved", e.step)
+        req.note(e.step, e.t, f"moved slot {e.from_slot} → {e.to_slot} ({e.num_bytes} B)")
+
+    def _evict(self, request_id: str, slot: int, state: str, step: int, t: float, text: str) -> RequestView:
+        req = self._request(request_id)
+        if slot >= 0:
+            self._vacate(slot, request_id)
+            self.marks[slot] = ("retracted", step)
+        req.state, req.slot = state, -1
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.note(step, t, text)
+        return req
+
+    def _on_preempted(self, e: RequestPreempted) -> None:
+        self._evict(e.request_id, e.slot, "preempted", e.step, e.t,
+                    f"preempted from slot {e.slot}: {e.blocks_freed} blocks freed, "
+                    f"{e.tokens_to_recompute} to recompute ({e.reason})")
+
+    def _on_retracted(self, e: RequestRetracted) -> None:
+        self._evict(e.request_id, e.slot, "preempted", e.step, e.t,
+                    f"retracted from slot {e.slot}: {e.blocks_freed} blocks freed, "
+                    f"new-token ratio {e.new_token_ratio:.2f}")
+
+    def _on_knob(self, e: KnobChanged) -> None:
+        self.knobs[e.name] = e.new
+        self.knob_marks.append(KnobMark(e.t, e.step, e.name, e.old, e.new, e.source))
+        self.message = f"{e.name}: {e.old} → {e.new} ({e.source})"
+
+    def _on_refused(self, e: CommandRefused) -> None:
+        self.message = f"refused {e.command}: {e.message}"
+
+    def _on_paused(self, e: EnginePaused) -> None:
+        self.paused = True
+
+    def _on_resumed(self, e: EngineResumed) -> None:
+        self.paused = False
+
+    def _on_dropped(self, e: EventsDropped) -> None:
+        self.num_dropped += e.count
+        self.message = f"{e.count} events dropped: per-request state may be stale"
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def _occupy(self, slot: int, request_id: str) -> None:
+        if not 0 <= slot < MAX_SLOTS:
+            return
+        if slot >= len(self.slots):
+            self.slots.extend([None] * (slot + 1 - len(self.slots)))
+        self.slots[slot] = request_id
+
+    def _vacate(self, slot: int, request_id: str) -> None:
+        if 0 <= slot < len(self.slots) and self.slots[slot] == request_id:
+            self.slots[slot] = None
+
+    def slot_kind(self, slot: int) -> tuple[str, str | None]:
+        """(kind, request id) of `slot` as of the newest step."""
+        request_id = self.slots[slot] if slot < len(self.slots) else None
+        mark = self.marks.get(slot)
+        if mark is not None and mark[1] >= self.finished_step:
+            if request_id is not None or mark[0] == "retracted":
+                return mark[0], request_id
+        if request_id is None:
+            if slot in self.padding_slots:
+                return "padding", None
+            return ("hole", None) if slot < self.num_occupied_span else ("free", None)
+        req = self.live.get(request_id)
+        if req is None:
+            return "decode", request_id
+        step = self.finished_step
+        if req.last_chunk_step == step:
+            return "prefill", request_id
+        if req.last_sample_step == step:
+            return "decode", request_id
+        return "stalled", request_id
+
+    @property
+    def num_occupied_span(self) -> int:
+        """One past the highest occupied slot: free slots below it are holes."""
+        for slot in range(len(self.slots) - 1, -1, -1):
+            if self.slots[slot] is not None:
+                return slot + 1
+        return 0
+
+    def num_grid_slots(self) -> int:
+        max_seqs = self.knobs.get("max_num_seqs")
+        base = max_seqs if isinstance(max_seqs, int) else 0
+        return min(MAX_SLOTS, max(base, len(self.slots), max(self.padding_slots, default=-1) + 1))
+
+    # -- derived numbers -------------------------------------------------------------------
+
+    @property
+    def kv_pct(self) -> float:
+        return 100.0 * self.kv_used / self.kv_total if self.kv_total else 0.0
+
+    @property
+    def budget_pct(self) -> float:
+        return 100.0 * self.budget_used / self.token_budget if self.token_budget else 0.0
+
+    @property
+    def num_preempted(self) -> int:
+        return sum(1 for r in self.live.values() if r.state == "preempted")
+
+    def request(self, request_id: str) -> RequestView | None:
+        return self.live.get(request_id) or self.retired.get(request_id)
+
+    def requests(self, include_finished: bool = True) -> list[RequestView]:
+        rows = list(self.live.values())
+        if include_finished:
+            rows.extend(self.retired.values())
+        return rows
+
+    def running_blocks(self) -> list[tuple[str, int]]:
+        """(request id, estimated KV blocks) of the running requests, largest first."""
+        out = [(r.request_id, r.kv_blocks(self.block_size) or 0) for r in self.live.values() if r.state == "running"]
+        out.sort(key=lambda item: (-item[1], item[0]))
+        return out
+
+
+def _p50_p99(samples) -> tuple[float | None, float | None]:
+    if not samples:
+        return None, None
+    xs = sorted(samples)
+    return percentile(xs, 50), percentile(xs, 99)
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    if value < 1.0:
+        return f"{value * 1000:.0f}ms"
+    if value < 100:
+        return f"{value:.1f}s"
+    return f"{value:.0f}s"
+
+
+def fmt_rate(value: float) -> str:
+    if value >= 1000:
+        return f"{value / 1000:.1f}k"
+    return f"{value:.0f}" if value >= 10 or value == 0 else f"{value:.1f}"

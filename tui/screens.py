@@ -1,0 +1,76 @@
+"""Modal screens: help, a one-line prompt, a yes/no confirmation."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Input, Label, Static
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key of the dashboard, from the app's BINDINGS (so it cannot go stale)."""
+
+    CSS_PATH = "help.tcss"
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close")]
+
+    def __init__(self, bindings, intro: str = ""):
+        super().__init__()
+        self._bindings = bindings
+        self._intro = intro
+
+    def compose(self) -> ComposeResult:
+        text = Text("batchtop — keys\n\n", style="bold")
+        if self._intro:
+            text.append(self._intro + "\n\n", style="bright_black")
+        for binding in self._bindings:
+            keys = binding.key_display or binding.key.replace("space", "␣")
+            text.append(f"{keys:>16}  ", style="bold cyan")
+            text.append(f"{binding.description}\n")
+        text.append("\nesc / q / ? closes this help", style="bright_black")
+        yield Vertical(Static(text, id="help-text"), id="help-box")
+
+    def action_dismiss(self) -> None:
+        self.dismiss(None)
+
+
+class PromptScreen(ModalScreen[str | None]):
+    """Ask for one line of text; dismisses with the text, or None on escape."""
+
+    CSS_PATH = "modal.tcss"
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def __init__(self, question: str, value: str = "", placeholder: str = ""):
+        super().__init__()
+        self.question, self.value, self.placeholder = question, value, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="modal-box"):
+            yield Label(self.question, id="modal-question")
+            yield Input(value=self.value, placeholder=self.placeholder, id="modal-input")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip())
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """y / enter confirms, n / escape declines."""
+
+    CSS_PATH = "modal.tcss"
+    BINDINGS = [Binding("y,enter", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no")]
+
+    def __init__(self, question: str):
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="modal-box"):
+            yield Label(self.question, id="modal-question")
+            yield Label("[b]y[/b] yes   [b]n[/b] no", id="modal-hint")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
