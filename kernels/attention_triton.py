@@ -59,8 +59,8 @@ def _write_kv_cache_kernel(
 @triton.jit
 def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence b with first_tile(b) <= tile < first_tile(b + 1), first_tile(b) = qsl[b] // BLOCK_Q + b."""
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0  # annotated so the loop-carried values keep one type when compiled
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -71,7 +71,7 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
@@ -166,8 +166,7 @@ def write_kv_cache(
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        **write_kv_cache_constexprs(block_size, num_kv_heads, head_dim),
     )
 
 
@@ -191,27 +190,43 @@ def paged_attention(
     num_seqs = meta.seq_lens.shape[0]
     if num_tokens == 0:
         return out
-    group = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    # Decode-only steps use the smallest tile tl.dot allows; prefill wants taller tiles.
-    block_m = max(16 if meta.max_query_len <= 1 else 64, group_pad)
-    block_q = block_m // group_pad
-    dim_pad = triton.next_power_of_2(head_dim)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    config = attention_constexprs(block_size, num_q_heads, num_kv_heads, head_dim, meta.max_query_len)
+    grid = (num_tokens // config["BLOCK_Q"] + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache,
         meta.query_start_loc, meta.seq_lens, meta.block_table,
         scale * 1.4426950408889634, num_seqs,  # log2(e): the kernel uses exp2
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if dim_pad <= 128 else 32,
-        # The interpreter's dot multiplies bf16/fp16 as raw integers, so it gets fp32 operands.
-        DOT_IN_FP32=INTERPRET,
+        **config,
         num_warps=4,
     )
     return out
+
+
+def attention_constexprs(
+    block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int
+) -> dict:
+    """The attention kernel's compile-time parameters for one step's shapes."""
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # Decode-only steps use the smallest tile tl.dot allows; prefill wants taller tiles.
+    block_m = max(16 if max_query_len <= 1 else 64, group_pad)
+    dim_pad = triton.next_power_of_2(head_dim)
+    return dict(
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_Q=block_m // group_pad, BLOCK_M=block_m, BLOCK_N=64 if dim_pad <= 128 else 32,
+        # The interpreter's dot multiplies bf16/fp16 as raw integers, so it gets fp32 operands.
+        DOT_IN_FP32=INTERPRET,
+    )
+
+
+def write_kv_cache_constexprs(block_size: int, num_kv_heads: int, head_dim: int) -> dict:
+    """The cache-write kernel's compile-time parameters."""
+    return dict(
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+    )
 
 
 def _check_runnable(k_cache: torch.Tensor) -> None:
