@@ -3,10 +3,12 @@
 Layout (docs/architecture.md, kernels/): caches are `[num_blocks, block_size, num_kv_heads, head_dim]`
 and one step's tokens lie on a flat axis cut into sequences by `query_start_loc`.
 
-Decode rows (query_len == 1) are one batched computation: every decode row's blocks are gathered in
-one `index_select` into a padded `[num_decode, max_blocks * block_size, Hkv, D]` tensor, and the
-query heads of each KV head are treated as that head's query rows (`[B, Hkv, G, D]`), so GQA needs
-no copy of K/V. Prefill and chunked-prefill rows (query_len > 1) run per sequence.
+Decode rows (query_len == 1) are batched: a group of decode rows gathers its blocks in one
+`index_select` into a padded `[rows, max_blocks * block_size, Hkv, D]` tensor, and the query heads
+of each KV head are treated as that head's query rows (`[rows, Hkv, G, D]`), so GQA needs no copy
+of K/V. Rows normally form one group; only rows much shorter than the longest start another (see
+`DECODE_PAD_SLACK`), so one 5000-token row does not pad 255 short ones to 5000. Prefill and
+chunked-prefill rows (query_len > 1) run per sequence.
 """
 
 from __future__ import annotations
@@ -18,16 +20,21 @@ import torch.nn.functional as F
 
 from .shapes import check_attention_inputs, check_kv_write_inputs, check_metadata_inputs
 
+# A decode row joins a group padded to a longer row while the padding it adds is at most
+# max(its own length, DECODE_PAD_SLACK) positions: at most 2x waste for long rows, and never a
+# new group (tens of microseconds more per layer on the CPU) just to save a few blocks.
+DECODE_PAD_SLACK = 1024
+
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """All query_len == 1 rows of a step, padded to the longest one's block count."""
+    """A group of query_len == 1 rows, in token order, padded to its longest row's block count."""
 
-    token_idx: torch.Tensor  # int64 [num_decode]: each row's index on the flat token axis
-    block_ids: torch.Tensor  # int64 [num_decode * max_blocks]: block_table rows, flattened
-    kv_mask: torch.Tensor  # bool [num_decode, 1, 1, max_blocks * block_size]: position < seq_len
+    token_idx: torch.Tensor  # int64 [rows]: each row's index on the flat token axis
+    block_ids: torch.Tensor  # int64 [rows * max_blocks]: block_table rows, flattened
+    kv_mask: torch.Tensor  # bool [rows, 1, 1, max_blocks * block_size]: position < seq_len
     max_blocks: int
-    is_whole_step: bool  # the step is decode only, so row i is token i and no scatter is needed
+    is_whole_step: bool  # the only group of a decode-only step: row i is token i, no scatter
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,8 @@ class AttentionMetadata:
     """One step's attention layout, built once per step and shared by every layer.
 
     `query_start_loc`, `seq_lens` and `block_table` are the int32 step tensors as given; the
-    Triton launcher reads them directly. `decode` and `prefills` are the torch path's derived
-    index; they are left empty when the metadata was built for Triton (`with_torch_index=False`).
+    Triton launcher reads them directly. `decode_groups` and `prefills` are the torch path's
+    derived index; they are left empty when built for Triton (`with_torch_index=False`).
     """
 
     query_start_loc: torch.Tensor
@@ -58,7 +65,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     with_torch_index: bool = True
-    decode: DecodeRows | None = None
+    decode_groups: tuple[DecodeRows, ...] = ()
     prefills: tuple[PrefillRows, ...] = ()
 
 
@@ -96,7 +103,10 @@ def build_attention_metadata(
     prefill_seqs = [b for b, n in enumerate(query_lens) if n > 1]
     return AttentionMetadata(
         **meta,
-        decode=_decode_rows(decode_seqs, starts, lens, block_table, block_size),
+        decode_groups=tuple(
+            _decode_rows(group, starts, lens, block_table, block_size, len(decode_seqs) == starts[-1])
+            for group in _group_decode_rows(decode_seqs, lens, block_size)
+        ),
         prefills=tuple(_prefill_rows(b, starts, lens, block_table, block_size) for b in prefill_seqs),
     )
 
@@ -114,11 +124,28 @@ def _check_lengths(starts: list[int], query_lens: list[int], lens: list[int], ca
             )
 
 
+def _group_decode_rows(seqs: list[int], lens: list[int], block_size: int) -> list[list[int]]:
+    """Split decode rows into groups, longest first, each returned in token order."""
+    groups: list[list[int]] = []
+    padded_len = 0
+    for b in sorted(seqs, key=lambda b: lens[b], reverse=True):
+        row_len = -(-lens[b] // block_size) * block_size
+        if groups and padded_len - row_len <= max(row_len, DECODE_PAD_SLACK):
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+            padded_len = row_len
+    return [sorted(group) for group in groups]
+
+
 def _decode_rows(
-    seqs: list[int], starts: list[int], lens: list[int], block_table: torch.Tensor, block_size: int
-) -> DecodeRows | None:
-    if not seqs:
-        return None
+    seqs: list[int],
+    starts: list[int],
+    lens: list[int],
+    block_table: torch.Tensor,
+    block_size: int,
+    decode_only_step: bool,
+) -> DecodeRows:
     device = block_table.device
     max_blocks = -(-max(lens[b] for b in seqs) // block_size)
     seq_idx = torch.tensor(seqs, dtype=torch.int64, device=device)
@@ -130,7 +157,7 @@ def _decode_rows(
         block_ids=block_table[seq_idx, :max_blocks].to(torch.int64).reshape(-1),
         kv_mask=(positions[None, :] < seq_lens[:, None])[:, None, None, :],
         max_blocks=max_blocks,
-        is_whole_step=len(seqs) == starts[-1],
+        is_whole_step=decode_only_step and len(seqs) == starts[-1],
     )
 
 
@@ -183,13 +210,13 @@ def paged_attention(
     check_attention_inputs(query, k_cache, v_cache, meta)
     if not meta.with_torch_index:
         raise ValueError("metadata was built with with_torch_index=False (for triton); rebuild it for torch")
-    decode = meta.decode
-    if decode is not None and decode.is_whole_step:
-        return _decode_attention(query, k_cache, v_cache, decode, scale)
+    groups = meta.decode_groups
+    if len(groups) == 1 and groups[0].is_whole_step:
+        return _decode_attention(query, k_cache, v_cache, groups[0], scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if decode is not None:
-        rows = _decode_attention(query.index_select(0, decode.token_idx), k_cache, v_cache, decode, scale)
-        out.index_copy_(0, decode.token_idx, rows)
+    for group in groups:
+        rows = _decode_attention(query.index_select(0, group.token_idx), k_cache, v_cache, group, scale)
+        out.index_copy_(0, group.token_idx, rows)
     for rows in meta.prefills:
         out[rows.token_start : rows.token_start + rows.query_len] = _prefill_attention(
             query, k_cache, v_cache, rows, scale

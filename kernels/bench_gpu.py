@@ -80,14 +80,18 @@ def time_call(fn, device: str) -> float:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") / 1e3
+    return statistics.median(cpu_samples(fn))
+
+
+def cpu_samples(fn, seconds: float = 0.5) -> list[float]:
     fn()
     samples = []
-    deadline = time.perf_counter() + 0.5
+    deadline = time.perf_counter() + seconds
     while len(samples) < 5 or (time.perf_counter() < deadline and len(samples) < 200):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return samples
 
 
 def bench_bandwidth(batches, contexts, shape: Shape, device: str) -> None:
@@ -119,7 +123,8 @@ def bench_torch_cpu_calls(shape: Shape, context: int, threads: int) -> None:
     """Per-call time of the torch path on the CPU, as the engine calls it (once per layer)."""
     torch.set_num_threads(threads)
     print(f"torch path on CPU, {threads} threads, {shape}, context ~{context}")
-    print(f"{'decode rows':>11} {'paged_attention us':>19} {'write_kv_cache us':>18} {'build_metadata us':>18}")
+    print("microseconds per call, median (min) of up to 200 calls")
+    print(f"{'decode rows':>11} {'paged_attention':>17} {'write_kv_cache':>15} {'build_metadata':>15}")
     for batch in (1, 16, 64, 256):
         step = make_decode_step(batch, context, shape, "cpu")
         meta = attention_torch.build_attention_metadata(*step.step_tensors())
@@ -130,8 +135,11 @@ def bench_torch_cpu_calls(shape: Shape, context: int, threads: int) -> None:
         attend = lambda: attention_torch.paged_attention(step.query, step.k_cache, step.v_cache, meta, 0.125)
         write = lambda: attention_torch.write_kv_cache(key, key, step.k_cache, step.v_cache, slots)
         build = lambda: attention_torch.build_attention_metadata(*step.step_tensors())
-        print(f"{batch:>11} {time_call(attend, 'cpu') * 1e6:>19.0f} {time_call(write, 'cpu') * 1e6:>18.0f} "
-              f"{time_call(build, 'cpu') * 1e6:>18.0f}")
+        cells = []
+        for fn in (attend, write, build):
+            samples = cpu_samples(fn)
+            cells.append(f"{statistics.median(samples) * 1e6:.0f} ({min(samples) * 1e6:.0f})")
+        print(f"{batch:>11} {cells[0]:>17} {cells[1]:>15} {cells[2]:>15}")
 
 
 def main(argv=None) -> None:
@@ -143,10 +151,11 @@ def main(argv=None) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for --torch-cpu-calls")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if args.torch_cpu_calls:  # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64
-        bench_torch_cpu_calls(Shape(9, 3, 64, args.block_size, dtype), context=150, threads=2)
+        bench_torch_cpu_calls(Shape(9, 3, 64, args.block_size, dtype), context=150, threads=args.threads)
     elif args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         bench_bandwidth([1, 4], [64, 200], Shape(4, 2, 32, args.block_size, dtype), "cpu")

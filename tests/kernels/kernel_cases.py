@@ -135,3 +135,5 @@ CHUNKED = ([700, 1, 257, 33, 129, 18], [200, 1, 17, 33, 1, 2])
 # several KV tiles per sequence, with lengths off the block and tile boundaries.
 CHUNKED_SMALL = ([300, 1, 130, 33, 129, 18], [70, 1, 17, 33, 1, 2])
 DECODE_ONLY = ([37, 1, 160, 16, 17], [1, 1, 1, 1, 1])
+# Decode rows too different in length to share one padded gather in the torch path.
+DECODE_SKEWED = ([5000, 40, 3000, 60, 1], [1, 1, 1, 1, 1])

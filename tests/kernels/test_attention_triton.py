@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from batchtop.kernels import attention_torch, attention_triton
-from kernel_cases import CACHE_SENTINEL, CHUNKED_SMALL, DECODE_ONLY, MIXED, dense_reference, make_case
+from kernel_cases import CACHE_SENTINEL, CHUNKED_SMALL, DECODE_ONLY, DECODE_SKEWED, MIXED, dense_reference, make_case
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -46,6 +46,12 @@ def test_matches_torch_path_fp32(lengths, block_size, group, head_dim):
                      block_size=block_size, seed=block_size * group + head_dim)
     expected = torch_reference(case)
     torch.testing.assert_close(run_triton(case), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rows_of_very_different_lengths():
+    seq_lens, query_lens = DECODE_SKEWED
+    case = make_case(seq_lens, query_lens, num_kv_heads=1, group=3, head_dim=64, block_size=32)
+    torch.testing.assert_close(run_triton(case), dense_reference(case).float(), atol=1e-5, rtol=1e-5)
 
 
 def test_head_dim_that_is_not_a_power_of_two():
