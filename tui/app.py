@@ -117,6 +117,7 @@ class BatchtopApp(App):
         self._seen_model_message = ""
         self._ticks = 0
         self._plots_dirty = True
+        self._top_height = 0
 
     def _new_model(self) -> DashboardModel:
         knobs = dict(self.source.knobs)
@@ -166,9 +167,12 @@ class BatchtopApp(App):
     def _fit_top(self) -> None:
         """Give the slot grid the lines it needs, within a third of the screen (7 lines at least)."""
         width, height = self.size
-        wanted = self.slots.wanted_height(self.slots.size.width or width - 38)
+        slots = self.query_one(SlotGrid)
+        wanted = max(slots.wanted_height(slots.size.width or width - 38),
+                     7 + min(8, self.model.num_running))      # the KV panel lists blocks per request
         top = min(max(7, wanted), max(7, (height - 7) // 3))
-        if self.query_one("#top").styles.height != top:
+        if top != self._top_height:
+            self._top_height = top
             self.query_one("#top").styles.height = top
 
     @work(thread=True, exclusive=True)
@@ -216,7 +220,7 @@ class BatchtopApp(App):
         if now is not None:
             self.model.advance(now)
         self._ticks += 1
-        if self._ticks % 10 == 1:
+        if self._ticks % 10 == 1 or poll.reset:
             self._fit_top()
         if self.model.message != self._seen_model_message:
             self._seen_model_message = self.status_message = self.model.message
@@ -256,6 +260,9 @@ class BatchtopApp(App):
 
     @property
     def selected_request(self) -> str | None:
+        if self.table.selected is None:
+            rows = self.table.sorted_requests()
+            self.table.selected = rows[0].request_id if rows else None
         return self.table.selected
 
     def _render_viewbar(self) -> None:

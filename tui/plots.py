@@ -37,22 +37,24 @@ def build_plot(name: str, model: DashboardModel, window_s: float, width: int, he
     fig.plot_size(max(20, width), max(5, height))
     history = model.history
     end = history[-1].t if history else 0.0
-    points: list[HistoryPoint] = [p for p in history if p.t >= end - window_s]
+    # A run younger than the window is drawn over its own span, not squeezed to the right.
+    span = max(5.0, min(window_s, end - history[0].t)) if history else window_s
+    points: list[HistoryPoint] = [p for p in history if p.t >= end - span]
     drawn = False
     for label, value in series:
         pairs = [(p.t - end, v) for p in points if (v := value(p)) is not None]
         if len(pairs) < 1:
             continue
         signal = fig.signal([x for x, _ in pairs], [y for _, y in pairs], marker="braille")
-        signal.label(label)
         fig.draw(signal)
         drawn = True
     for mark in model.knob_marks:
         x = mark.t - end
-        if -window_s <= x <= 0:
+        if -span <= x <= 0:
             fig.line(x, orientation="v", pixel="red")
-    fig.title(f"{title} (last {window_s:g}s)" if drawn else f"{title}: no data yet")
-    fig.ruler("x").lim(-window_s, 0)
+    names = " ".join(label for label, _ in series)
+    fig.title(f"{title}: {names} (last {span:.0f}s)" if drawn else f"{title}: no data yet")
+    fig.ruler("x").lim(-span, 0)
     return fig.build().string()
 
 

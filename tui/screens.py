@@ -17,14 +17,14 @@ class HelpScreen(ModalScreen[None]):
 
     def __init__(self, bindings, intro: str = ""):
         super().__init__()
-        self._bindings = bindings
+        self._help_bindings = bindings
         self._intro = intro
 
     def compose(self) -> ComposeResult:
         text = Text("batchtop — keys\n\n", style="bold")
         if self._intro:
             text.append(self._intro + "\n\n", style="bright_black")
-        for binding in self._bindings:
+        for binding in self._help_bindings:
             keys = binding.key_display or binding.key.replace("space", "␣")
             text.append(f"{keys:>16}  ", style="bold cyan")
             text.append(f"{binding.description}\n")

@@ -60,16 +60,7 @@ class Source:
         return "this source cannot step"
 
     def step_back(self) -> str | None:
-        """Back to the end of the step before the one shown (replays from the start)."""
-        pos = self._position
-        k = bisect.bisect_left(self._finish_ends, pos)
-        if k == 0:
-            if pos == 0:
-                return "already at the start"
-            self._go_to(0)
-        else:
-            self._go_to(self._finish_ends[k - 1])
-        return None
+        return "only a replay steps back"
 
     def seek(self, step: int) -> str | None:
         return "only a replay seeks"
@@ -252,10 +243,14 @@ class ReplaySource(Source):
 
     def step_back(self) -> str | None:
         """Back to the end of the step before the one shown (replays from the start)."""
-        i = bisect.bisect_left(self._finish_ends, self._cursor) - 1
-        if i < 0:
-            return "already at the first step"
-        self._go_to(self._finish_ends[i - 1] if i >= 1 else 0)
+        pos = self._position
+        k = bisect.bisect_left(self._finish_ends, pos)
+        if k == 0:
+            if pos == 0:
+                return "already at the start"
+            self._go_to(0)
+        else:
+            self._go_to(self._finish_ends[k - 1])
         return None
 
     def seek(self, step: int) -> str | None:

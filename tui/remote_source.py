@@ -1,0 +1,252 @@
+"""The dashboard over HTTP: a `Source` that follows a `batchtop serve` server.
+
+A background thread reads the server's event stream (`GET /v1/events`, server-sent events)
+with httpx. Each event's SSE id is its sequence number on the server; after a lost
+connection the thread reconnects with exponential backoff and sends `Last-Event-ID`, so
+the stream resumes exactly after the last event seen. If the server's history no longer
+reaches back that far, the server says so (`event: gap`) and this source hands the
+dashboard an `EventsDropped`; if the server itself was restarted (a new `server_id`), the
+dashboard starts over (`Poll.reset`).
+
+Commands go to the control endpoints and return the server's error message, or None.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+from batchtop.telemetry.events import EnginePaused, EngineResumed, EventsDropped, KnobChanged
+from batchtop.telemetry.recorder import decode_event
+
+from .sources import Poll, Source
+
+
+class RemoteSource(Source):
+    kind = "remote"
+    read_only = False
+
+    def __init__(self, url: str, api_key: str | None = None, *, backoff_s: tuple[float, float] = (0.5, 8.0),
+                 timeout_s: float = 5.0, read_timeout_s: float = 30.0, from_step: int | None = 0):
+        super().__init__()
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.backoff_s = backoff_s
+        self.from_step = from_step             # first connection: the history the server still holds
+        self._timeout = httpx.Timeout(timeout_s, read=read_timeout_s)
+        self._control = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._pending: list = []
+        self._reset = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._response: httpx.Response | None = None
+        self.connected = False
+        self.last_error: str | None = None
+        self.retry_at: float | None = None
+        self.last_seq: int | None = None
+        self.server_id: str | None = None
+        self.num_connects = 0
+        self.num_gaps = 0
+        self._paused = False
+        self._clock_offset: float | None = None   # server monotonic - ours, best (largest) estimate
+        self.meta = {"model": None, "device": f"remote {self.url}"}
+        self._load_knobs()
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _load_knobs(self) -> None:
+        try:
+            response = self._control.get("/v1/knobs")
+        except httpx.HTTPError as error:
+            self.last_error = f"{type(error).__name__}: {error}"
+            return
+        if response.status_code == 200:
+            self._apply_state(response.json())
+        else:
+            self.last_error = _message(response)
+
+    def _apply_state(self, state: dict) -> None:
+        knobs = dict(state.get("knobs") or {})
+        if "block_size" in state:
+            knobs["block_size"] = state["block_size"]
+        self.knobs = knobs
+        self._paused = bool(state.get("paused"))
+        self.meta = {**self.meta, "model": state.get("model"), "preemption_mode": knobs.get("preemption_mode")}
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def now(self) -> float | None:
+        """The server's clock, estimated from event arrival (events carry server monotonic times)."""
+        return None if self._clock_offset is None else time.monotonic() + self._clock_offset
+
+    def status(self) -> str:
+        if self.connected:
+            return f"{'paused' if self._paused else 'live'} · {self.url}"
+        wait = "" if self.retry_at is None else f"; retrying in {max(0.0, self.retry_at - time.monotonic()):.1f} s"
+        return f"disconnected from {self.url}: {self.last_error or 'connecting'}{wait}"
+
+    # -- the stream thread -------------------------------------------------------------------
+
+    def start(self) -> RemoteSource:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._follow, name="batchtop-remote", daemon=True)
+            self._thread.start()
+        return self
+
+    def poll(self) -> Poll:
+        with self._lock:
+            events, self._pending = self._pending, []
+            reset, self._reset = self._reset, False
+        return Poll(events, reset)
+
+    def _follow(self) -> None:
+        delay = self.backoff_s[0]
+        with httpx.Client(base_url=self.url, headers=self.headers, timeout=self._timeout) as client:
+            while not self._stop.is_set():
+                try:
+                    if self._read_stream(client):
+                        delay = self.backoff_s[0]      # it had worked: start the backoff over
+                except (httpx.HTTPError, OSError, ValueError) as error:
+                    self.last_error = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+                self.connected = False
+                self._response = None
+                if self._stop.is_set():
+                    break
+                self.retry_at = time.monotonic() + delay
+                self._stop.wait(delay)
+                self.retry_at = None
+                delay = min(delay * 2, self.backoff_s[1])
+
+    def _read_stream(self, client: httpx.Client) -> bool:
+        """Follow one connection until it ends; True when it delivered the hello."""
+        headers, params = {}, {}
+        if self.last_seq is not None:
+            headers["Last-Event-ID"] = str(self.last_seq)
+        elif self.from_step is not None:
+            params["from_step"] = self.from_step
+        greeted = False
+        with client.stream("GET", "/v1/events", headers=headers, params=params) as response:
+            if response.status_code != 200:
+                response.read()
+                self.last_error = f"HTTP {response.status_code}: {_message(response)}"
+                return False
+            self._response = response
+            kind, event_id, data = None, None, []
+            for line in response.iter_lines():
+                if self._stop.is_set():
+                    return greeted
+                if line:
+                    field, _, value = line.partition(":")
+                    value = value[1:] if value.startswith(" ") else value
+                    if field == "event":
+                        kind = value
+                    elif field == "id":
+                        event_id = value
+                    elif field == "data":
+                        data.append(value)
+                    continue
+                if data:
+                    if kind == "hello":
+                        greeted = True
+                        if not self._hello(json.loads("\n".join(data))):
+                            return True            # a new server: reconnect from its start
+                    elif kind == "gap":
+                        self._gap(json.loads("\n".join(data)))
+                    elif kind is None:
+                        self._event("\n".join(data), event_id)
+                kind, event_id, data = None, None, []
+        self.last_error = "the server closed the stream"
+        return greeted
+
+    def _hello(self, hello: dict) -> bool:
+        """False when the server is not the one we followed (restarted): start over from its history."""
+        if self.server_id is not None and hello.get("server_id") != self.server_id and self.last_seq is not None:
+            self.server_id, self.last_seq = hello.get("server_id"), None
+            return False
+        first = self.server_id is None
+        self.server_id = hello.get("server_id")
+        self._apply_state(hello)
+        self.connected, self.last_error = True, None
+        self.num_connects += 1
+        if first or self.last_seq is None:
+            with self._lock:
+                self._pending, self._reset = [], True
+        return True
+
+    def _gap(self, notice: dict) -> None:
+        self.num_gaps += 1
+        self.last_error = notice.get("message")
+        lost = notice.get("lost") or 0
+        with self._lock:
+            last_t = self._pending[-1].t if self._pending else 0.0
+            self._pending.append(EventsDropped(notice.get("oldest_step") or 0, last_t, int(lost)))
+
+    def _event(self, data: str, event_id: str | None) -> None:
+        event = decode_event(data)
+        offset = event.t - time.monotonic()
+        if self._clock_offset is None or offset > self._clock_offset:
+            self._clock_offset = offset
+        kind = type(event)
+        if kind is EnginePaused or kind is EngineResumed:
+            self._paused = kind is EnginePaused
+        elif kind is KnobChanged:
+            self.knobs[event.name] = event.new
+        with self._lock:
+            self._pending.append(event)
+        if event_id is not None:
+            self.last_seq = int(event_id)
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def _post(self, path: str, body: dict | None = None) -> str | None:
+        try:
+            response = self._control.post(path, json=body)
+        except httpx.HTTPError as error:
+            return f"{self.url} unreachable: {type(error).__name__}"
+        return None if response.status_code == 200 else _message(response)
+
+    def set_knob(self, name: str, value) -> str | None:
+        return self._post("/v1/knobs", {"name": name, "value": value})
+
+    def pause(self) -> str | None:
+        error = self._post("/v1/pause")
+        self._paused = self._paused or error is None
+        return error
+
+    def resume(self) -> str | None:
+        error = self._post("/v1/resume")
+        self._paused = self._paused and error is not None
+        return error
+
+    def toggle_pause(self) -> str | None:
+        return self.resume() if self._paused else self.pause()
+
+    def step_once(self) -> str | None:
+        return self._post("/v1/step")
+
+    def abort(self, request_id: str) -> str | None:
+        return self._post(f"/v1/requests/{request_id}/abort")
+
+    def close(self) -> None:
+        self._stop.set()
+        response = self._response
+        if response is not None:
+            try:
+                response.close()
+            except Exception:           # closing a socket another thread reads: best effort
+                pass
+        if self._thread is not None:
+            self._thread.join(5)
+        self._control.close()
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}: {response.text[:200]}"
