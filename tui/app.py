@@ -157,6 +157,8 @@ class BatchtopApp(App):
             self.set_interval(self._tick_s, self.tick)
         if self._source_factory is not None:
             self._load_source()
+        else:
+            self.attach_source(self.source)
 
     def on_resize(self, event) -> None:
         width, height = self.size
@@ -192,8 +194,9 @@ class BatchtopApp(App):
 
     def attach_source(self, source: Source) -> None:
         """Switch to `source` (starting it when it has a start()) and start from an empty model."""
-        self.source = source
-        self.model = self._new_model()
+        if source is not self.source:
+            self.source = source
+            self.model = self._new_model()
         start = getattr(source, "start", None)
         if start is not None:
             start()

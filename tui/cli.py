@@ -103,7 +103,69 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(demo)
     add_engine_flags(demo)
     demo.set_defaults(func=cmd_demo)
+    _add_server_commands(sub)
     return parser
+
+
+def cmd_serve(args) -> int:
+    from batchtop.engine.server import build_server, check_bind, serve
+    check_bind(args.host, args.api_key)          # before the model load: fail fast
+    server = build_server(engine_config(args), api_key=args.api_key, model_name=args.served_model_name,
+                          event_history=args.event_history)
+    print(f"batchtop: serving {server.model_name} on http://{args.host}:{args.port}", file=sys.stderr)
+    serve(server, args.host, args.port, access_log=args.access_log)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from batchtop.engine.bench_serving import run_bench
+    return run_bench(args, engine_config(args))
+
+
+def cmd_sweep(args) -> int:
+    from batchtop.engine.bench_serving import run_sweep
+    return run_sweep(args, engine_config(args))
+
+
+def cmd_top(args) -> int:
+    from batchtop.tui.app import BatchtopApp
+    from batchtop.tui.remote_source import RemoteSource
+    BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url).run()
+    return 0
+
+
+def _add_server_commands(sub) -> None:
+    import os
+    from batchtop.engine.bench_serving import add_bench_flags
+    serve = sub.add_parser("serve", help="OpenAI-compatible server with telemetry events and live control")
+    serve.add_argument("--host", default="127.0.0.1", help="without --api-key only loopback is allowed")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("BATCHTOP_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on every endpoint (env BATCHTOP_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--event-history", type=int, default=100_000, help="events kept for stream resumption")
+    serve.add_argument("--access-log", action="store_true")
+    add_engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="serving benchmark against a server (--base-url) or the embedded engine")
+    add_bench_flags(bench)
+    add_engine_flags(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    sweep = sub.add_parser("sweep", conflict_handler="resolve",
+                           help="the same trace at several max_num_seqs on the embedded engine")
+    add_bench_flags(sweep)
+    add_engine_flags(sweep)
+    sweep.add_argument("--max-num-seqs", dest="values", default="1,4,16,64,256",
+                       help="comma-separated max_num_seqs values (default 1,4,16,64,256)")
+    sweep.add_argument("--no-color", action="store_true", help="plain plot (for files)")
+    sweep.set_defaults(func=cmd_sweep, max_num_seqs=1)
+
+    top = sub.add_parser("top", help="the dashboard over a running `batchtop serve`")
+    top.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    top.add_argument("--api-key", default=os.environ.get("BATCHTOP_API_KEY"))
+    top.set_defaults(func=cmd_top)
 
 
 def _add_sampling_flags(parser) -> None:
