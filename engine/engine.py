@@ -339,7 +339,7 @@ class Engine:
         if self._pending_batching_mode is None:
             return
         knobs = self.scheduler.knobs
-        at_boundary = knobs.batching_mode == "continuous" or not (self.scheduler.running or self.scheduler.padding)
+        at_boundary = knobs.batching_mode == "continuous" or not self.scheduler.running
         if at_boundary:
             (mode, source), self._pending_batching_mode = self._pending_batching_mode, None
             old, knobs.batching_mode = knobs.batching_mode, mode

@@ -170,3 +170,22 @@ def test_priority_policy_preempts_lowest_priority():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
         Scheduler(SchedulerKnobs(1, 1), KVCacheManager(1, 1), policy="lifo")
+
+
+@pytest.mark.parametrize("mode, expected", [("recompute", "b"), ("retract", "c")])
+def test_victim_choice_by_preemption_mode(mode, expected):
+    """recompute takes the latest arrival; retract the fewest generated tokens, ties by the longest prompt."""
+    kv = KVCacheManager(num_blocks=7, block_size=4)
+    sched = Scheduler(SchedulerKnobs(4, 64, preemption_mode=mode), kv)
+    c, a, b = make_request("c", 12, 20), make_request("a", 4, 20), make_request("b", 8, 20)
+    for request, generated in ((c, 1), (a, 3), (b, 1)):
+        request.output_token_ids = [1] * generated
+        request.num_computed_tokens = request.num_tokens - 1
+        request.status = Status.RUNNING
+        sched.running.append(request)
+        assert kv.try_allocate(request.request_id, request.num_computed_tokens) is not None
+    assert kv.num_free_blocks == 0
+    plan = sched.schedule()
+    assert [p[0].request_id for p in plan.preempted] == [expected]
+    if mode == "retract":
+        assert plan.retracting and sched.new_token_ratio > 0.7

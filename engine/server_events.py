@@ -1,0 +1,130 @@
+"""The server's event history and its server-sent-event stream.
+
+Every telemetry event gets a sequence number (`seq`, from 1, without holes) as it enters
+a bounded ring; the SSE `id:` of an event is its seq, so a client that reconnects with
+`Last-Event-ID: <seq>` gets exactly the events after it: no gap, no duplicate. A client may
+instead ask `?from_step=N` (every event of step N onwards). When the requested point has
+already left the ring the stream says so first (`event: gap`) and continues from the oldest
+event kept. Used from the server's asyncio thread only.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from batchtop.telemetry.events import Event
+from batchtop.telemetry.recorder import encode_event
+
+
+class EventRing:
+    def __init__(self, maxlen: int):
+        if maxlen < 1:
+            raise ValueError(f"event history must be >= 1, got {maxlen}")
+        self.maxlen = maxlen
+        self._events: list[Event | None] = [None] * maxlen
+        self._lines: list[str | None] = [None] * maxlen     # encoded on first read
+        self.next_seq = 1
+        self._changed = asyncio.Event()
+
+    @property
+    def oldest_seq(self) -> int:
+        return max(1, self.next_seq - self.maxlen)
+
+    def __len__(self) -> int:
+        return self.next_seq - self.oldest_seq
+
+    def extend(self, events: list[Event]) -> None:
+        if not events:
+            return
+        for event in events:
+            i = self.next_seq % self.maxlen
+            self._events[i] = event
+            self._lines[i] = None
+            self.next_seq += 1
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def event(self, seq: int) -> Event:
+        return self._events[seq % self.maxlen]
+
+    def line(self, seq: int) -> str:
+        i = seq % self.maxlen
+        line = self._lines[i]
+        if line is None:
+            line = self._lines[i] = encode_event(self._events[i])
+        return line
+
+    def seq_of_step(self, step: int) -> int:
+        """The seq of the first kept event with step >= `step` (next_seq if none): steps never decrease."""
+        lo, hi = self.oldest_seq, self.next_seq
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.event(mid).step < step:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    async def wait_beyond(self, seq: int, timeout: float) -> bool:
+        """Wait until an event with seq >= `seq` exists; False on timeout."""
+        if self.next_seq > seq:
+            return True
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return self.next_seq > seq
+
+
+def sse(data: str, *, event: str | None = None, id: int | None = None) -> str:
+    head = (f"id: {id}\n" if id is not None else "") + (f"event: {event}\n" if event else "")
+    return f"{head}data: {data}\n\n"
+
+
+def resolve_start(ring: EventRing, last_event_id: str | None, from_step: int | None) -> tuple[int, dict | None]:
+    """Where a stream starts (a seq) and the gap notice to send first, if any."""
+    oldest = ring.oldest_seq
+    if last_event_id is not None:
+        start = int(last_event_id) + 1
+        if start > ring.next_seq:          # an id from an earlier server run: go live
+            return ring.next_seq, None
+        requested = {"requested_seq": start}
+    elif from_step is not None:
+        if ring.next_seq > oldest and ring.event(oldest).step <= from_step:
+            return ring.seq_of_step(from_step), None
+        start = oldest
+        requested = {"requested_step": from_step}
+        if oldest == 1:                     # nothing was ever dropped: the ring holds the whole run
+            return oldest, None
+    else:
+        return ring.next_seq, None
+    if start >= oldest:
+        return start, None
+    oldest_step = ring.event(oldest).step if ring.next_seq > oldest else None
+    notice = {**requested, "oldest_seq": oldest, "oldest_step": oldest_step, "lost": oldest - start
+              if last_event_id is not None else None,
+              "message": "the requested point is older than the server's event history; "
+                         "continuing from the oldest event kept"}
+    return oldest, notice
+
+
+async def event_stream(ring: EventRing, start: int, hello: dict, notice: dict | None, *,
+                       heartbeat_s: float = 10.0, batch: int = 2000):
+    """SSE text: `hello`, maybe `gap`, then every event from `start` on, each with its seq as id."""
+    yield sse(json.dumps({**hello, "start_seq": start}), event="hello")
+    if notice is not None:
+        yield sse(json.dumps(notice), event="gap")
+    seq = start
+    while True:
+        if seq < ring.oldest_seq:           # this client fell behind the ring
+            notice = {"requested_seq": seq, "oldest_seq": ring.oldest_seq, "lost": ring.oldest_seq - seq,
+                      "message": "this stream fell behind the server's event history; events were lost"}
+            yield sse(json.dumps(notice), event="gap")
+            seq = ring.oldest_seq
+        end = min(ring.next_seq, seq + batch)
+        if end > seq:
+            yield "".join(sse(ring.line(s), id=s) for s in range(seq, end))
+            seq = end
+            await asyncio.sleep(0)
+        elif not await ring.wait_beyond(seq, heartbeat_s):
+            yield ": keep-alive\n\n"
