@@ -104,7 +104,95 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(demo)
     demo.set_defaults(func=cmd_demo)
     _add_server_commands(sub)
+    add_dashboard_commands(sub)
+    _add_record_commands(sub)
     return parser
+
+
+# -- record and export ------------------------------------------------------------------------------
+
+def _add_record_commands(sub) -> None:
+    record = sub.add_parser("record", help="run the embedded engine headless under a load and record its events")
+    record.add_argument("--out", required=True, help="the JSONL event log to write")
+    record.add_argument("--duration", type=float, default=None,
+                        help="seconds to run (default: until a --trace is served and drained)")
+    load = record.add_argument_group("load (a generator, or --trace)")
+    load.add_argument("--trace", help='JSONL, one request a line: {"arrival_s", "prompt_tokens" or "prompt", '
+                                      '"output_tokens"}')
+    load.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
+    for what, mean, high in (("prompt", 64, 1024), ("output", 64, 1024)):
+        load.add_argument(f"--{what}-dist", choices=["fixed", "uniform", "exponential", "pareto"],
+                          default="exponential")
+        load.add_argument(f"--{what}-mean", type=float, default=mean, help="fixed and exponential")
+        load.add_argument(f"--{what}-low", type=int, default=1, help="uniform low, pareto scale, clip low")
+        load.add_argument(f"--{what}-high", type=int, default=high, help="uniform high, clip high")
+        load.add_argument(f"--{what}-alpha", type=float, default=1.5, help="pareto shape")
+    load.add_argument("--seed", type=int, default=0)
+    add_engine_flags(record)
+    record.set_defaults(func=cmd_record)
+
+    export = sub.add_parser("export", help="turn a recorded log into a Chrome/Perfetto trace, a CSV or a summary")
+    export.add_argument("log")
+    export.add_argument("--format", choices=["chrome", "csv", "summary"], default="summary")
+    export.add_argument("--out", help="file to write (default: stdout)")
+    export.set_defaults(func=cmd_export)
+
+
+def _load_from_args(args):
+    from batchtop.engine.loadgen import LengthDist, PoissonLoad, TraceLoad
+    if args.trace:
+        return TraceLoad.from_file(args.trace)
+    dists = [LengthDist(getattr(args, f"{w}_dist"), getattr(args, f"{w}_mean"), getattr(args, f"{w}_low"),
+                        getattr(args, f"{w}_high"), getattr(args, f"{w}_alpha")) for w in ("prompt", "output")]
+    return PoissonLoad(args.rate, *dists, seed=args.seed)
+
+
+def cmd_record(args) -> int:
+    from batchtop.engine.engine import Engine
+    from batchtop.engine.loop import EngineLoop
+    from batchtop.telemetry.bus import EventBus
+    from batchtop.telemetry.recorder import Recorder
+    if args.duration is None and not args.trace:
+        raise ValueError("give --duration, or a --trace to serve to the end")
+    load = _load_from_args(args)
+    bus = EventBus()
+    engine = Engine(engine_config(args), sink=bus)
+    with Recorder(args.out, model=args.model, knobs=engine.knobs(), bus=bus) as recorder:
+        loop = EngineLoop(engine, load=load, load_seed=args.seed).start()
+        started = time.monotonic()
+        try:
+            while loop.running:
+                elapsed = time.monotonic() - started
+                if args.duration is not None and elapsed >= args.duration:
+                    break
+                if args.trace and load.exhausted and not loop.call(engine.has_unfinished):
+                    break
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            pass
+        loop.stop()
+        if loop.error is not None:
+            raise loop.error
+    print(f"recorded {recorder.num_written} events over {engine.step_count} steps to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from batchtop.telemetry.export import summary_text, to_chrome_trace, to_csv
+    from batchtop.telemetry.recorder import read_log
+    header, events = read_log(args.log)
+    if args.format == "chrome":
+        text = json.dumps(to_chrome_trace(header, events))
+    elif args.format == "csv":
+        text = to_csv(events)
+    else:
+        text = summary_text(header, events)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
 
 
 def cmd_serve(args) -> int:
@@ -175,6 +263,51 @@ def _add_sampling_flags(parser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
+
+
+# -- dashboard and replay (owned by tui/; keep these three functions together) --------------------
+
+def add_dashboard_commands(sub) -> None:
+    dash = sub.add_parser("dashboard", help="the live dashboard over the embedded engine and its load generator")
+    add_engine_flags(dash)
+    load = dash.add_argument_group("load generator")
+    load.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second (0: none)")
+    load.add_argument("--length-dist", choices=["fixed", "uniform", "exponential", "pareto"], default="exponential",
+                      help="prompt and output length distribution")
+    load.add_argument("--prompt-mean", type=float, default=64.0)
+    load.add_argument("--output-mean", type=float, default=64.0)
+    load.add_argument("--seed", type=int, default=0)
+    dash.add_argument("--record", metavar="LOG", help="record every event to this JSONL log from the start")
+    dash.set_defaults(func=cmd_dashboard)
+    replay = sub.add_parser("replay", help="the dashboard over a recorded event log")
+    replay.add_argument("log", help="a JSONL event log (batchtop --record, or r in the dashboard)")
+    replay.add_argument("--speed", type=float, default=1.0, help="playback speed")
+    replay.add_argument("--paused", action="store_true", help="start paused at the beginning")
+    replay.set_defaults(func=cmd_replay)
+
+
+def cmd_dashboard(args) -> int:
+    from batchtop.tui.app import BatchtopApp
+    from batchtop.tui.sources import EngineSource
+    config = engine_config(args)
+
+    def build():
+        return EngineSource.create(config, load_rate=args.rate, length_dist=args.length_dist,
+                                   prompt_mean=args.prompt_mean, output_mean=args.output_mean, seed=args.seed)
+    BatchtopApp(source_factory=build, loading_what=f"model {args.model}", record_path=args.record).run()
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from batchtop.tui.app import BatchtopApp
+    from batchtop.tui.sources import ReplaySource
+    try:
+        source = ReplaySource.from_file(args.log, speed=args.speed, paused=args.paused)
+    except OSError as error:
+        print(f"batchtop: error: cannot read {args.log}: {error.strerror}", file=sys.stderr)
+        return 2
+    BatchtopApp(source).run()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
