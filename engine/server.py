@@ -95,11 +95,16 @@ class OutputRouter:
     def close(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
 
-    def push(self, output) -> None:              # engine thread
+    def push(self, output) -> None:
+        """Engine thread: must never raise (it would end the engine) nor block."""
         self._inbox.append(output)
         if not self._scheduled:
             self._scheduled = True
-            self.aloop.call_soon_threadsafe(self._dispatch)
+            try:
+                self.aloop.call_soon_threadsafe(self._dispatch)
+            except (RuntimeError, AttributeError):   # the HTTP side is gone or not started: nobody waits
+                self._scheduled = False
+                self._inbox.clear()
 
     def _dispatch(self) -> None:
         self._scheduled = False

@@ -90,15 +90,13 @@ def resolve_start(ring: EventRing, last_event_id: str | None, from_step: int | N
             return ring.next_seq, None
         requested = {"requested_seq": start}
     elif from_step is not None:
-        if ring.next_seq > oldest and ring.event(oldest).step <= from_step:
+        if ring.next_seq == oldest or ring.event(oldest).step <= from_step:
             return ring.seq_of_step(from_step), None
-        start = oldest
+        start = oldest                      # steps before the oldest kept one are gone (or never seen)
         requested = {"requested_step": from_step}
-        if oldest == 1:                     # nothing was ever dropped: the ring holds the whole run
-            return oldest, None
     else:
         return ring.next_seq, None
-    if start >= oldest:
+    if start > oldest or (start == oldest and last_event_id is not None):
         return start, None
     oldest_step = ring.event(oldest).step if ring.next_seq > oldest else None
     notice = {**requested, "oldest_seq": oldest, "oldest_step": oldest_step, "lost": oldest - start

@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         print(f"batchtop: error: {error}", file=sys.stderr)
         return 2
 
