@@ -1,0 +1,60 @@
+"""One tiny-model engine for the whole session, served over real HTTP on free ports."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from batchtop.engine.config import EngineConfig
+
+NUM_KV_BLOCKS = 64
+MAX_MODEL_LEN = 256
+API_KEY = "test-key-123"
+
+
+@pytest.fixture(scope="session")
+def engine_config():
+    return EngineConfig(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def served(engine_config):
+    """(BatchtopServer, ServerThread) without an API key, on 127.0.0.1."""
+    from batchtop.engine.server import ServerThread, build_server
+    server = build_server(engine_config)
+    thread = ServerThread(server).start()
+    yield server, thread
+    thread.stop()
+    server.loop.stop()
+
+
+@pytest.fixture(scope="session")
+def base_url(served):
+    return served[1].url
+
+
+@pytest.fixture(scope="session")
+def keyed(served):
+    """A second HTTP front (with --api-key) over the same running engine loop."""
+    from batchtop.engine.server import BatchtopServer, ServerThread
+    server, _ = served
+    keyed_server = BatchtopServer(server.loop, _bus_of(server), api_key=API_KEY)
+    thread = ServerThread(keyed_server).start()
+    yield keyed_server, thread
+    thread.stop()
+
+
+def _bus_of(server):
+    return server.subscription._bus
+
+
+def wait_idle(server, timeout: float = 20.0) -> None:
+    """Until the engine has nothing to do and every KV block is back in the pool."""
+    engine = server.engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not engine.has_unfinished() and engine.kv.num_used_blocks == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"engine not idle: unfinished={engine.has_unfinished()} "
+                         f"used blocks={engine.kv.num_used_blocks}")

@@ -1,0 +1,58 @@
+"""A client that goes away mid-stream aborts its request; its KV blocks return to the pool."""
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from conftest import NUM_KV_BLOCKS, wait_idle
+
+
+def read_chunks(response, n: int) -> int:
+    seen = 0
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            seen += 1
+            if seen == n:
+                break
+    return seen
+
+
+def test_disconnect_mid_stream_frees_blocks(served, base_url):
+    server, _ = served
+    wait_idle(server)
+    server.pump()
+    aborted_before = server.metrics.finished["abort"]
+    body = {"model": "tiny", "prompt": list(range(1000, 1100)), "max_tokens": 150, "stream": True}
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            assert read_chunks(response, 3) == 3
+            assert server.engine.kv.num_used_blocks > 0          # it holds blocks while it runs
+        # leaving the block closes the connection mid-stream
+    wait_idle(server)
+    assert server.engine.kv.num_free_blocks == NUM_KV_BLOCKS
+    server.pump()
+    assert server.metrics.finished["abort"] == aborted_before + 1      # aborted, not run to the end
+
+
+def test_disconnect_of_non_streaming_request(served, base_url):
+    server, _ = served
+    wait_idle(server)
+    server.set_paused(True)                   # the request waits, the client gives up
+    try:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 50}
+        try:
+            httpx.post(base_url + "/v1/completions", json=body, timeout=0.5)
+        except httpx.TimeoutException:
+            pass
+        deadline = time.monotonic() + 5
+        while server.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)                  # the server notices within ~1 s, while still paused
+        assert not server.engine.has_unfinished()
+        assert server.engine.kv.num_free_blocks == NUM_KV_BLOCKS
+    finally:
+        server.set_paused(False)
+    wait_idle(server)                         # aborted on the disconnect, or finished: the pool is whole
+    assert server.engine.kv.num_free_blocks == NUM_KV_BLOCKS
+
