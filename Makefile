@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench-engine bench-telemetry bench-kernels clean
 
 setup: $(STAMP)
 
@@ -23,8 +23,15 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
-bench: setup
-	$(PY) -m batchtop.bench_engine
+# Benchmarks are not tests: each writes its figures to docs/benchmarks.md (run on a quiet machine).
+bench-engine: setup
+	$(PY) -m batchtop.engine.bench_engine
+
+bench-telemetry: setup
+	$(PY) -m batchtop.telemetry.bench
+
+bench-kernels: setup
+	$(PY) -m batchtop.kernels.bench_gpu
 
 clean:
 	rm -rf $(VENV)

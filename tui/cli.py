@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-        argv = ["demo", *argv]
+        argv = ["dashboard", *argv]
     args = parser.parse_args(argv)
     try:
         return args.func(args)

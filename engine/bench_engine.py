@@ -1,0 +1,272 @@
+"""Engine benchmark: one seeded trace, side by side in one run, written to docs/benchmarks.md.
+
+    python -m batchtop.engine.bench_engine            (make bench-engine)
+
+Trace: 64 requests at once, prompts uniform 16..128 tokens, outputs exponential (mean 64)
+clipped to [4, 256], EOS ignored so every request produces exactly its length. Contenders:
+batchtop (continuous), transformers `generate` one request at a time, `generate` on
+left-padded static batches of 16, and transformers' own continuous batching. Also: the
+trace's compute floor (its matmul FLOPs over the best fp32 GEMM rate measured here), and
+the decode step time at 1..256 rows against the weight-streaming floor.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .config import EngineConfig
+from .engine import Engine
+from .model import load_model
+from .sampling import SamplingParams
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+SECTION = "## Engine: batchtop vs transformers"
+
+
+def make_trace(seed: int = 0, num_requests: int = 64, vocab=(1000, 30000)):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(16, 128))] for _ in range(num_requests)]
+    lengths = [min(256, max(4, round(rng.expovariate(1 / 64)))) for _ in range(num_requests)]
+    return prompts, lengths
+
+
+def linear_flops_per_token(model) -> tuple[int, int]:
+    """Matmul FLOPs of one token: (through the layers, of the LM head)."""
+    layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    return 2 * layers, 2 * model.lm_head.weight.numel()
+
+
+def best_gemm_rate(model, rows=(64, 128, 256), repeats=20) -> float:
+    """Best fp32 FLOP/s of F.linear over the model's own weight shapes."""
+    weights = {tuple(m.weight.shape): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    best = 0.0
+    for m in rows:
+        for weight in weights.values():
+            x = torch.randn(m, weight.shape[1])
+            F.linear(x, weight)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                F.linear(x, weight)
+            elapsed = (time.perf_counter() - start) / repeats
+            best = max(best, 2 * m * weight.numel() / elapsed)
+    return best
+
+
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of streaming a tensor larger than the caches (a sum reads every byte once)."""
+    x = torch.ones(num_bytes // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return num_bytes / min(times)
+
+
+def run_batchtop(loaded, prompts, lengths, **config) -> float:
+    engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    engine.generate(prompts[:2], params[:2])                      # warm-up
+    start = time.perf_counter()
+    completions = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert [len(c.token_ids) for c in completions] == lengths
+    return elapsed
+
+
+@torch.inference_mode()
+def run_hf_serial(model, prompts, lengths) -> float:
+    start = time.perf_counter()
+    for ids, n in zip(prompts, lengths):
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        assert out.shape[1] == len(ids) + n
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def run_hf_static(model, pad_id, prompts, lengths, batch_size=16) -> tuple[float, float]:
+    """Left-padded batches run to their longest row; returns (seconds, utilisation)."""
+    start = time.perf_counter()
+    row_steps = 0
+    for i in range(0, len(prompts), batch_size):
+        batch, ns = prompts[i:i + batch_size], lengths[i:i + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns),
+                             do_sample=False, pad_token_id=pad_id)
+        row_steps += len(batch) * (out.shape[1] - width)
+    return time.perf_counter() - start, sum(lengths) / row_steps
+
+
+@torch.inference_mode()
+def run_hf_continuous(model, prompts, lengths) -> float:
+    from transformers import GenerationConfig
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(lengths))
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
+        produced = {}
+        while len(produced) < len(ids):
+            result = manager.get_result(timeout=60)
+            if result is not None and result.is_finished():
+                produced[result.request_id] = len(result.generated_tokens)
+        elapsed = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    assert sorted(produced[i] for i in ids) == sorted(lengths)
+    return elapsed
+
+
+def telemetry_overhead(loaded, prompts, lengths, rounds: int = 3, **config) -> tuple[float, float]:
+    """The same trace with telemetry off and with the recorder writing a log, alternated to share the
+    machine's noise; returns the best wall time of each (off, recorder)."""
+    import tempfile
+    from batchtop.telemetry.recorder import Recorder
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    best = {"off": float("inf"), "recorder": float("inf")}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_ in range(rounds):
+            for mode in ("off", "recorder"):
+                recorder = Recorder(Path(folder) / f"{round_}.jsonl", model=loaded.name) if mode == "recorder" else None
+                engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded,
+                                sink=recorder.sink if recorder else None)
+                start = time.perf_counter()
+                engine.generate(prompts, params)
+                best[mode] = min(best[mode], time.perf_counter() - start)
+                if recorder:
+                    recorder.close()
+    return best["off"], best["recorder"]
+
+
+def decode_step_times(loaded, rows_list=(1, 4, 16, 64, 256), context=128, steps=8) -> dict[int, float]:
+    engine = Engine(EngineConfig(model=loaded.name, max_num_seqs=max(rows_list), max_num_batched_tokens=8192,
+                                 kv_cache_mb=4096), loaded=loaded)
+    times = {}
+    for rows in rows_list:
+        ids = [engine.add_request([1000 + i] * context, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+               for i in range(rows)]
+        while any(engine.requests[i].num_output_tokens == 0 for i in ids):
+            engine.step()
+        samples = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            samples.append(time.perf_counter() - start)
+        times[rows] = statistics.median(samples)
+        for i in ids:
+            engine.abort(i)
+    return times
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--skip-serial", action="store_true", help="skip the slowest contender (~4 min)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--telemetry", action="store_true", help="only the telemetry-overhead comparison")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.telemetry:
+        return telemetry_main(args)
+    loaded = load_model("smollm2")
+    reference = load_model("smollm2")           # plain transformers attention for the baselines
+    prompts, lengths = make_trace()
+    useful = sum(lengths)
+    per_layer, per_head = linear_flops_per_token(loaded.model)
+    flops = sum(len(p) for p in prompts) * per_layer + useful * (per_layer + per_head)
+    gemm = best_gemm_rate(loaded.model)
+    floor_s = flops / gemm
+    print(f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {useful} output tokens; "
+          f"{flops / 1e12:.2f} TFLOP; best GEMM {gemm / 1e9:.0f} GFLOP/s -> floor {floor_s:.1f} s", flush=True)
+
+    results = {}
+    results["batchtop (continuous)"] = run_batchtop(loaded, prompts, lengths, max_num_seqs=64,
+                                                    max_num_batched_tokens=args.max_num_batched_tokens)
+    print(f"batchtop {results['batchtop (continuous)']:.1f} s", flush=True)
+    results["transformers continuous batching"] = run_hf_continuous(reference.model, prompts, lengths)
+    print(f"hf continuous {results['transformers continuous batching']:.1f} s", flush=True)
+    static_s, static_util = run_hf_static(reference.model, reference.tokenizer.pad_token_id or 0, prompts, lengths)
+    results["transformers static batches of 16"] = static_s
+    print(f"hf static {static_s:.1f} s (utilisation {static_util:.3f})", flush=True)
+    if not args.skip_serial:
+        results["transformers serial"] = run_hf_serial(reference.model, prompts, lengths)
+        print(f"hf serial {results['transformers serial']:.1f} s", flush=True)
+
+    steps = decode_step_times(loaded)
+    param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    bandwidth = read_bandwidth()
+    stream_floor = param_bytes / bandwidth
+
+    ours = results["batchtop (continuous)"]
+    lines = [SECTION, "",
+             f"`make bench-engine` (python -m batchtop.engine.bench_engine), SmolLM2-135M fp32, "
+             f"{args.threads} threads, measured {time.strftime('%Y-%m-%d')}.",
+             f"Trace: {len(prompts)} requests at once, prompts uniform 16..128 tokens "
+             f"({sum(map(len, prompts))} in all), outputs exponential mean 64 clipped to [4, 256] "
+             f"({useful} in all), EOS ignored.", "",
+             "| contender | wall s | useful out tok/s | batchtop is x faster |", "|---|---:|---:|---:|"]
+    for name, seconds in results.items():
+        lines.append(f"| {name} | {seconds:.1f} | {useful / seconds:.1f} | {seconds / ours:.2f} |")
+    lines += ["", f"Static batches of 16: utilisation {static_util:.3f} (useful row-steps / row-steps).",
+              f"Compute floor: {flops / 1e12:.2f} TFLOP of matmuls ({per_layer / 1e6:.0f} MFLOP per prompt token, "
+              f"{(per_layer + per_head) / 1e6:.0f} per generated token) at the best GEMM rate measured here "
+              f"({gemm / 1e9:.0f} GFLOP/s) = {floor_s:.1f} s, i.e. {useful / floor_s:.0f} useful tok/s; "
+              f"batchtop reaches {floor_s / ours:.0%} of it.", "",
+              "| decode rows | step ms | ms per row |", "|---:|---:|---:|"]
+    for rows, seconds in steps.items():
+        lines.append(f"| {rows} | {seconds * 1e3:.1f} | {seconds * 1e3 / rows:.2f} |")
+    lines += ["", f"Weight-streaming floor of one step: {param_bytes / 1e6:.0f} MB of parameters at "
+              f"{bandwidth / 1e9:.1f} GB/s read bandwidth = {stream_floor * 1e3:.1f} ms; the 1-row step takes "
+              f"{steps[1] / stream_floor:.2f}x that.", ""]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        _write_section(text)
+    return 0
+
+
+def telemetry_main(args) -> int:
+    loaded = load_model("smollm2")
+    prompts, lengths = make_trace(num_requests=32)
+    off, recorder = telemetry_overhead(loaded, prompts, lengths, max_num_seqs=32,
+                                       max_num_batched_tokens=args.max_num_batched_tokens)
+    text = "\n".join([
+        TELEMETRY_SECTION, "",
+        f"`python -m batchtop.engine.bench_engine --telemetry`, SmolLM2 fp32, {args.threads} threads, "
+        f"{time.strftime('%Y-%m-%d')}: the first 32 requests of the engine trace, telemetry off and the "
+        "recorder writing every event to a JSONL log, alternated three times; best of each.", "",
+        "| telemetry | wall s | relative |", "|---|---:|---:|",
+        f"| off | {off:.2f} | 1.000 |", f"| recorder | {recorder:.2f} | {recorder / off:.3f} |", ""])
+    print(text)
+    if not args.no_write:
+        _write_section(text, TELEMETRY_SECTION)
+    return 0
+
+
+TELEMETRY_SECTION = "## Telemetry overhead"
+
+
+def _write_section(text: str, section: str = SECTION) -> None:
+    """Replace this benchmark's section of docs/benchmarks.md, leaving the other sections alone."""
+    old = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    if section in old:
+        start = old.index(section)
+        end = old.find("\n## ", start + len(section))
+        old = old[:start] + old[end + 1:] if end != -1 else old[:start]
+    DOCS.write_text(old.rstrip("\n") + "\n\n" + text)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
