@@ -176,6 +176,7 @@ class BatchtopApp(App):
         if top != self._top_height:
             self._top_height = top
             self.query_one("#top").styles.height = top
+            self.call_after_refresh(self.query_one(KvPanel).refresh)     # redraw at the new size
 
     @work(thread=True, exclusive=True)
     def _load_source(self) -> None:
@@ -223,8 +224,7 @@ class BatchtopApp(App):
         if now is not None:
             self.model.advance(now)
         self._ticks += 1
-        if self._ticks % 10 == 1 or poll.reset:
-            self._fit_top()
+        self._fit_top()
         if self.model.message != self._seen_model_message:
             self._seen_model_message = self.status_message = self.model.message
         self.refresh_views()
