@@ -17,7 +17,7 @@ from .block_pool import KVCacheManager
 from .config import (BATCHING_MODES, MAX_BATCHED_TOKENS_LIMIT, PREEMPTION_MODES, EngineConfig, check_choice,
                      check_int)
 from .model import LoadedModel, load_model
-from .request import Request, Status
+from .request import Request
 from .runner import Runner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Row, Scheduler, SchedulerKnobs
@@ -333,7 +333,11 @@ class Engine:
             self._apply_pending_batching_mode()
             return
         setattr(self.scheduler.knobs, name, value)
-        self._emit(ev.KnobChanged, name, old, value, source)
+        self.note_knob(name, old, value, source)
+
+    def note_knob(self, name: str, old, new, source: str) -> None:
+        """Announce a knob change (the engine's own, or one of a load driving it)."""
+        self._emit(ev.KnobChanged, name, old, new, source)
 
     def _apply_pending_batching_mode(self) -> None:
         if self._pending_batching_mode is None:
@@ -343,7 +347,7 @@ class Engine:
         if at_boundary:
             (mode, source), self._pending_batching_mode = self._pending_batching_mode, None
             old, knobs.batching_mode = knobs.batching_mode, mode
-            self._emit(ev.KnobChanged, "batching_mode", old, mode, source)
+            self.note_knob("batching_mode", old, mode, source)
 
     def refuse(self, command: str, message: str) -> None:
         """Record that a control command was invalid and changed nothing."""

@@ -7,6 +7,7 @@ that must not block.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import random
 import threading
@@ -14,7 +15,7 @@ import time
 from typing import Callable
 
 from .engine import Engine, RequestOutput
-from .loadgen import synthetic_prompt
+from .loadgen import DISTRIBUTIONS, synthetic_prompt
 from .sampling import SamplingParams
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -86,6 +87,37 @@ class EngineLoop:
             self._commands.put(lambda: self.engine.refuse(f"set {name}", message))
             return message
         self._commands.put(lambda: self.engine.set_knob(name, value, source))
+        return None
+
+    def set_load_knob(self, name: str, value, source: str = "api") -> str | None:
+        """The built-in load's knobs: `load_rate` (requests/s) and `length_dist` (prompt and output
+        distribution kind). Validated now, applied on the engine thread, announced as KnobChanged."""
+        load = self.load
+        if load is None or not hasattr(load, "set_rate"):
+            return "no load generator is running"
+        if name == "load_rate":
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                value = float("nan")
+            if not 0 <= value <= 10_000:
+                return "load rate must be in [0, 10000] requests/s"
+        elif name == "length_dist":
+            if value not in DISTRIBUTIONS:
+                return f"length distribution must be one of {', '.join(DISTRIBUTIONS)}, got {value!r}"
+        else:
+            return f"unknown load knob {name!r}; load knobs: load_rate, length_dist"
+
+        def apply():
+            if name == "load_rate":
+                old = load.rate
+                load.set_rate(value)
+            else:
+                old = load.output.kind
+                load.prompt = dataclasses.replace(load.prompt, kind=value)
+                load.output = dataclasses.replace(load.output, kind=value)
+            self.engine.note_knob(name, old, value, source)
+        self._commands.put(apply)
         return None
 
     def pause(self) -> None:

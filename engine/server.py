@@ -36,6 +36,8 @@ from .server_openai import (ApiError, ChatCompletionRequest, CompletionRequest, 
                             error_body, message_text, stop_strings)
 
 PUMP_INTERVAL_S = 0.05
+GREEDY_BELOW = 1e-5
+MIN_TOP_P = 1e-6          # the sampler compares in float32: 5e-324 would become 0 and drop every token
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ERROR_RESPONSES = {code: {"description": text, "content": {"application/json": {}}}
                    for code, text in ((400, "invalid request"), (401, "missing or wrong API key"),
@@ -169,8 +171,10 @@ class BatchtopServer:
 
     def _sampling(self, body, max_tokens: int) -> SamplingParams:
         temperature = 1.0 if body.temperature is None else body.temperature
+        if temperature < GREEDY_BELOW:
+            temperature = 0.0       # as vLLM: a vanishing temperature is greedy (and 1e-40 would give NaNs)
         return SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p,
+                              top_p=1.0 if body.top_p is None else max(body.top_p, MIN_TOP_P),
                               top_k=max(0, body.top_k or 0), seed=body.seed, ignore_eos=bool(body.ignore_eos))
 
     def _prompts(self, body, chat: bool) -> list[list[int]]:

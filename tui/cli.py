@@ -271,7 +271,7 @@ def add_dashboard_commands(sub) -> None:
     dash = sub.add_parser("dashboard", help="the live dashboard over the embedded engine and its load generator")
     add_engine_flags(dash)
     load = dash.add_argument_group("load generator")
-    load.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second (0: none)")
+    load.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second (0: none)")
     load.add_argument("--length-dist", choices=["fixed", "uniform", "exponential", "pareto"], default="exponential",
                       help="prompt and output length distribution")
     load.add_argument("--prompt-mean", type=float, default=64.0)

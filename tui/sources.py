@@ -13,12 +13,11 @@ do something (knobs in a replay) says so in that string.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from batchtop.telemetry.events import Event, KnobChanged, StepFinished
+from batchtop.telemetry.events import Event, StepFinished
 
 ENGINE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "batching_mode")
 LOAD_KNOBS = ("load_rate", "length_dist")
@@ -349,26 +348,7 @@ class EngineSource(Source):
         return self.loop.set_knob(name, value, "tui")
 
     def _set_load_knob(self, name: str, value) -> str | None:
-        load = self.loop.load
-        if load is None or not hasattr(load, "set_rate"):
-            return "no load generator is running"
-        if name == "load_rate":
-            old = load.rate
-            try:
-                load.set_rate(float(value))
-            except (TypeError, ValueError) as error:
-                return str(error) if "load rate" in str(error) else f"load rate must be a number, got {value!r}"
-            new = load.rate
-        else:
-            from batchtop.engine.loadgen import DISTRIBUTIONS
-            if value not in DISTRIBUTIONS:
-                return f"length distribution must be one of {', '.join(DISTRIBUTIONS)}, got {value!r}"
-            old, new = load.output.kind, value
-            # Plain attribute swaps: the loop thread reads them on its next due() call.
-            load.prompt = dataclasses.replace(load.prompt, kind=value)
-            load.output = dataclasses.replace(load.output, kind=value)
-        self.bus.publish(KnobChanged(self.engine.step_count, time.monotonic(), name, old, new, "tui"))
-        return None
+        return self.loop.set_load_knob(name, value, "tui")
 
     def abort(self, request_id: str) -> str | None:
         self.loop.abort(request_id)
