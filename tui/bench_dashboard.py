@@ -1,0 +1,120 @@
+"""Dashboard overhead: the same trace through the engine with the dashboard attached (a headless
+Textual run, refreshing at its normal rate) and with only the recorder listening, alternated.
+
+    python -m batchtop.tui.bench_dashboard          (writes its section of docs/benchmarks.md)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from batchtop.engine.bench_engine import _write_section, make_trace
+from batchtop.engine.config import EngineConfig
+from batchtop.engine.engine import Engine
+from batchtop.engine.loop import EngineLoop
+from batchtop.engine.model import load_model
+from batchtop.engine.sampling import SamplingParams
+from batchtop.telemetry.bus import EventBus
+from batchtop.telemetry.recorder import Recorder
+
+SECTION = "## Dashboard overhead"
+
+
+def _submit_trace(loop: EngineLoop, prompts, lengths) -> threading.Event:
+    """Queue the whole trace; the event is set when the last request finishes."""
+    remaining = [len(prompts)]
+    done = threading.Event()
+
+    def on_output(output):
+        if output.finished:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                done.set()
+
+    for prompt, n in zip(prompts, lengths):
+        loop.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True), on_output=on_output)
+    return done
+
+
+def run_recorder_only(loaded, prompts, lengths, config, folder) -> float:
+    bus = EventBus()
+    engine = Engine(config, sink=bus.publish, loaded=loaded)
+    with Recorder(Path(folder) / "recorder.jsonl", model=loaded.name, bus=bus):
+        loop = EngineLoop(engine)
+        start = time.perf_counter()
+        done = _submit_trace(loop, prompts, lengths)
+        loop.start()
+        done.wait()
+        elapsed = time.perf_counter() - start
+        loop.stop()
+    return elapsed
+
+
+def run_with_dashboard(loaded, prompts, lengths, config, folder, size=(120, 40)) -> float:
+    from batchtop.tui.app import BatchtopApp
+    from batchtop.tui.sources import EngineSource
+    bus = EventBus()
+    engine = Engine(config, sink=bus.publish, loaded=loaded)
+    loop = EngineLoop(engine)
+    source = EngineSource(loop, bus, model=loaded.name)
+
+    async def drive() -> float:
+        app = BatchtopApp(source, record_path=str(Path(folder) / "dashboard.jsonl"))
+        async with app.run_test(size=size) as pilot:
+            start = time.perf_counter()
+            done = _submit_trace(loop, prompts, lengths)
+            while not done.is_set():
+                await pilot.pause(0.05)     # the app's own 10 Hz timer drains and draws meanwhile
+            return time.perf_counter() - start
+
+    try:
+        return asyncio.run(drive())
+    finally:
+        source.close()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    prompts, lengths = make_trace(num_requests=args.requests)
+    config = EngineConfig(model=args.model, max_num_seqs=32, max_num_batched_tokens=2048)
+    best = {"recorder only": float("inf"), "dashboard + recorder": float("inf")}
+    with tempfile.TemporaryDirectory() as folder:
+        for _ in range(args.rounds):
+            best["recorder only"] = min(best["recorder only"],
+                                        run_recorder_only(loaded, prompts, lengths, config, folder))
+            best["dashboard + recorder"] = min(best["dashboard + recorder"],
+                                               run_with_dashboard(loaded, prompts, lengths, config, folder))
+            print({k: round(v, 2) for k, v in best.items()}, flush=True)
+    useful = sum(lengths)
+    base = best["recorder only"]
+    lines = [SECTION, "",
+             f"`python -m batchtop.tui.bench_dashboard`, {args.model} fp32, {args.threads} threads, "
+             f"{time.strftime('%Y-%m-%d')}: {len(prompts)} requests of the engine trace ({useful} output tokens) "
+             f"through the engine thread, with the recorder alone and with the dashboard (headless Textual run at "
+             f"120x40, 10 Hz refresh) attached and recording; alternated {args.rounds} times, best of each.", "",
+             "| listeners | wall s | out tok/s | throughput kept |", "|---|---:|---:|---:|"]
+    for name, seconds in best.items():
+        lines.append(f"| {name} | {seconds:.2f} | {useful / seconds:.1f} | {base / seconds:.1%} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.no_write:
+        _write_section(text, SECTION)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
