@@ -104,7 +104,7 @@ def build_attention_metadata(
     return AttentionMetadata(
         **meta,
         decode_groups=tuple(
-            _decode_rows(group, starts, lens, block_table, block_size, len(decode_seqs) == starts[-1])
+            _decode_rows(group, starts, lens, block_table, block_size)
             for group in _group_decode_rows(decode_seqs, lens, block_size)
         ),
         prefills=tuple(_prefill_rows(b, starts, lens, block_table, block_size) for b in prefill_seqs),
@@ -144,7 +144,6 @@ def _decode_rows(
     lens: list[int],
     block_table: torch.Tensor,
     block_size: int,
-    decode_only_step: bool,
 ) -> DecodeRows:
     device = block_table.device
     max_blocks = -(-max(lens[b] for b in seqs) // block_size)
@@ -157,7 +156,7 @@ def _decode_rows(
         block_ids=block_table[seq_idx, :max_blocks].to(torch.int64).reshape(-1),
         kv_mask=(positions[None, :] < seq_lens[:, None])[:, None, None, :],
         max_blocks=max_blocks,
-        is_whole_step=decode_only_step and len(seqs) == starts[-1],
+        is_whole_step=len(seqs) == starts[-1],
     )
 
 

@@ -129,11 +129,11 @@ def dense_reference(case: PagedCase) -> torch.Tensor:
 # and last so the flat order interleaves them (continuous-batching.md, "attention will not batch").
 MIXED = ([1841, 2048, 96, 5023], [1, 2048, 1, 1])
 # Chunked prefill (new tokens after cached context, ragged against block boundaries), a fresh
-# prefill, a one-token-context chunk and decode rows, interleaved.
-CHUNKED = ([700, 1, 257, 33, 129, 18], [200, 1, 17, 33, 1, 2])
+# prefill, a one-token-context chunk, decode rows and a row with no new tokens, interleaved.
+CHUNKED = ([700, 1, 257, 33, 129, 50, 18], [200, 1, 17, 33, 1, 0, 2])
 # The same shape of step, smaller, for the Triton interpreter: still several query tiles and
 # several KV tiles per sequence, with lengths off the block and tile boundaries.
-CHUNKED_SMALL = ([300, 1, 130, 33, 129, 18], [70, 1, 17, 33, 1, 2])
+CHUNKED_SMALL = ([300, 1, 130, 33, 129, 50, 18], [70, 1, 17, 33, 1, 0, 2])
 DECODE_ONLY = ([37, 1, 160, 16, 17], [1, 1, 1, 1, 1])
 # Decode rows too different in length to share one padded gather in the torch path.
 DECODE_SKEWED = ([5000, 40, 3000, 60, 1], [1, 1, 1, 1, 1])

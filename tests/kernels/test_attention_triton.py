@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from batchtop.kernels import attention_torch, attention_triton
-from kernel_cases import CACHE_SENTINEL, CHUNKED_SMALL, DECODE_ONLY, DECODE_SKEWED, MIXED, dense_reference, make_case
+from kernel_cases import (
+    CACHE_SENTINEL, CHUNKED_SMALL, DECODE_ONLY, DECODE_SKEWED, MIXED, dense_reference, make_case,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
