@@ -1,0 +1,161 @@
+"""Benchmark (not a test): server overhead and a max_num_seqs sweep, written to docs/benchmarks.md.
+
+    .venv/bin/python -m batchtop.engine.bench_server_overhead [--model smollm2] [--quick]
+
+1. Server overhead: the same random trace at 32 concurrent streams, once through
+   `batchtop serve` (a subprocess; the client streams over HTTP from this process) and once
+   on the embedded engine (the same client harness, no HTTP), alternating, best of `--repeats`.
+   Target: the server keeps >= 85% of the embedded output throughput.
+2. Sweep: the same trace at several max_num_seqs on the embedded engine, with a KV pool small
+   enough that the top of the sweep has to preempt.
+
+Only the section "## Server overhead and sweep" of docs/benchmarks.md is rewritten.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from . import bench_serving as bs
+from .config import EngineConfig
+
+SECTION = "## Server overhead and sweep"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "batchtop.tui.cli", "serve", "--model", model, "--port", str(port), *extra]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited: {process.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("server did not start")
+
+
+def overhead(args) -> dict:
+    requests = bs.random_dataset(args.num_prompts, args.input_len, args.output_len, seed=0)
+    run = dict(max_concurrency=args.concurrency, seed=0)
+    config = EngineConfig(model=args.model, max_num_seqs=args.concurrency)
+    port = free_port()
+    server = start_server(args.model, port, ["--max-num-seqs", str(args.concurrency)])
+    url = f"http://127.0.0.1:{port}"
+    best = {"server": None, "embedded": None}
+    try:
+        bs.bench_server(url, args.model, requests[: args.concurrency], **run)        # warm-up
+        for _ in range(args.repeats):
+            results, duration = bs.bench_server(url, args.model, requests, **run)
+            summary = bs.summarize(results, duration)
+            if best["server"] is None or summary["output_throughput"] > best["server"]["output_throughput"]:
+                best["server"] = summary
+            print(f"server   {summary['output_throughput']:.1f} tok/s", file=sys.stderr)
+            server.send_signal(19)            # SIGSTOP: the idle server must not take CPU from the embedded run
+            try:
+                import torch
+                from .model import load_model
+                loaded = best.get("_loaded") or load_model(args.model, getattr(torch, config.dtype))
+                best["_loaded"] = loaded
+                bs.bench_embedded(config, requests[: args.concurrency], loaded=loaded, **run)   # warm-up
+                results, duration, _ = bs.bench_embedded(config, requests, loaded=loaded, **run)
+            finally:
+                server.send_signal(18)        # SIGCONT
+            summary = bs.summarize(results, duration)
+            if best["embedded"] is None or summary["output_throughput"] > best["embedded"]["output_throughput"]:
+                best["embedded"] = summary
+            print(f"embedded {summary['output_throughput']:.1f} tok/s", file=sys.stderr)
+    finally:
+        server.terminate()
+        server.wait(30)
+    best["ratio"] = best["server"]["output_throughput"] / best["embedded"]["output_throughput"]
+    best["requests"] = (args.num_prompts, args.input_len, args.output_len, args.concurrency)
+    return best
+
+
+def run_sweep(args, loaded) -> list[dict]:
+    requests = bs.random_dataset(args.sweep_prompts, args.input_len, args.output_len, seed=1)
+    config = EngineConfig(model=args.model, num_kv_blocks=args.sweep_kv_blocks,
+                          batch_capacity=max(256, max(args.values)))
+    return bs.sweep(config, requests, args.values, loaded=loaded)
+
+
+def render(args, result: dict, points: list[dict]) -> str:
+    server, embedded = result["server"], result["embedded"]
+    n, i, o, c = result["requests"]
+    lines = [SECTION, "",
+             f"Measured with `python -m batchtop.engine.bench_server_overhead"
+             f"{' --quick' if args.quick else ''} --model {args.model}` on {platform.processor() or platform.machine()}"
+             f" ({os.cpu_count()} CPUs, shared with other jobs), Python {platform.python_version()}, "
+             f"{time.strftime('%Y-%m-%d')}. Best of {args.repeats} alternating runs each.", "",
+             f"**Server overhead.** {n} requests, {i} prompt tokens and {o} output tokens each (EOS ignored), "
+             f"{c} concurrent streams, all sent at once. `server`: `batchtop serve` in a subprocess, streamed over "
+             f"HTTP (SSE) by the bench client; `embedded`: the same client harness feeding the engine loop "
+             f"in-process.", "",
+             "| backend | out tok/s | req/s | mean TTFT ms | mean TPOT ms | p99 ITL ms |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, s in (("embedded", embedded), ("server", server)):
+        lines.append(f"| {name} | {s['output_throughput']:.1f} | {s['request_throughput']:.2f} | "
+                     f"{s['mean_ttft_ms']:.0f} | {s['mean_tpot_ms']:.1f} | {s['p99_itl_ms']:.1f} |")
+    verdict = "meets" if result["ratio"] >= 0.85 else "misses"
+    lines += ["", f"Server / embedded output throughput: **{result['ratio']:.1%}** ({verdict} the 85% target).",
+              "", f"**Sweep.** {args.sweep_prompts} requests ({args.input_len} in / {args.output_len} out), "
+              f"all at once, on the embedded engine with a KV pool of {args.sweep_kv_blocks} blocks of 16 tokens "
+              f"(room for about {args.sweep_kv_blocks * 16 // (args.input_len + args.output_len)} whole requests), "
+              f"so the top of the sweep must preempt.", "", "```", bs.sweep_table(points), "```", "", "```",
+              bs.sweep_plot(points).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def write_section(text: str) -> None:
+    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(doc):
+        doc = pattern.sub(lambda _: text + "\n", doc)
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
+    DOC.write_text(doc)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--quick", action="store_true", help="smaller traces")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--values", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 64, 256])
+    parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    args.num_prompts, args.input_len, args.output_len = (64, 32, 32) if args.quick else (128, 64, 64)
+    args.sweep_prompts, args.sweep_kv_blocks = (64, 96) if args.quick else (256, 192)
+    result = overhead(args)
+    points = run_sweep(args, result.pop("_loaded"))
+    text = render(args, result, points)
+    print(text)
+    if not args.no_write:
+        write_section(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
