@@ -190,12 +190,13 @@ class Engine:
         t_sample = time.perf_counter()
         outputs = self._update(rows, sampling_rows, tokens)
         t_update = time.perf_counter()
-        self._emit(ev.StepFinished, len(rows), int(inputs.input_ids.shape[0]),
-                   tuple(r.request.request_id for r in sampling_rows),
-                   len(self.scheduler.running), len(self.scheduler.waiting),
-                   self.kv.num_used_blocks, self.kv.num_blocks,
-                   t_schedule - t0, t_prepare - t_schedule, t_forward - t_prepare, t_sample - t_forward,
-                   t_update - t_sample)
+        if self._sink is not None:
+            self._emit(ev.StepFinished, len(rows), int(inputs.input_ids.shape[0]),
+                       tuple(r.request.request_id for r in sampling_rows),
+                       len(self.scheduler.running), len(self.scheduler.waiting),
+                       self.kv.num_used_blocks, self.kv.num_blocks,
+                       t_schedule - t0, t_prepare - t_schedule, t_forward - t_prepare, t_sample - t_forward,
+                       t_update - t_sample)
         return outputs
 
     def _update_batch(self, plan) -> None:
