@@ -140,6 +140,7 @@ class BatchtopServer:
         self.metrics.knobs = dict(self.engine.knobs())
         self.router = OutputRouter()
         self.paused = loop.paused
+        self.closing = False          # set on shutdown: endless event streams end so the server can stop
         self._ids = itertools.count()
         self.app = build_app(self)
 
@@ -441,7 +442,8 @@ def build_app(server: BatchtopServer) -> FastAPI:
             raise ApiError(400, f"Last-Event-ID must be an event seq (an integer), got {last_id!r}",
                            param="Last-Event-ID")
         start, notice = resolve_start(server.ring, last_id.strip() if last_id else None, from_step)
-        return StreamingResponse(event_stream(server.ring, start, server.hello(), notice),
+        return StreamingResponse(event_stream(server.ring, start, server.hello(), notice,
+                                              closing=lambda: server.closing),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.get("/v1/knobs", responses=ERROR_RESPONSES)
@@ -518,11 +520,17 @@ def build_server(config, *, api_key: str | None = None, model_name: str | None =
     return server
 
 
-def uvicorn_server(app, *, log_level: str = "warning", access_log: bool = False):
+def uvicorn_server(server: BatchtopServer, *, log_level: str = "warning", access_log: bool = False):
     import uvicorn
-    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=2,
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):          # Ctrl+C: end the event streams first
+            server.closing = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(server.app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=3,
                             timeout_keep_alive=30)
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 def serve(server: BatchtopServer, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False) -> None:
@@ -530,7 +538,7 @@ def serve(server: BatchtopServer, host: str = "127.0.0.1", port: int = 8000, *, 
     check_bind(host, server.api_key)
     sock = bind_socket(host, port)
     try:
-        uvicorn_server(server.app, access_log=access_log).run(sockets=[sock])
+        uvicorn_server(server, access_log=access_log).run(sockets=[sock])
     finally:
         server.loop.stop()
 
@@ -554,11 +562,12 @@ class ServerThread:
         self.sock = bind_socket(host, port)
         bound = self.sock.getsockname()
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}"
-        self.uvicorn = uvicorn_server(server.app)
+        self.uvicorn = uvicorn_server(server)
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]},
                                        name="batchtop-http", daemon=True)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.server.closing = False
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.uvicorn.started:
@@ -568,9 +577,11 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        self.server.closing = True
         self.uvicorn.should_exit = True
         self.thread.join(10)
         self.sock.close()
+        self.server.closing = False    # the same BatchtopServer may be served again
 
     def __enter__(self) -> "ServerThread":
         return self.start()

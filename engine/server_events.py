@@ -107,13 +107,17 @@ def resolve_start(ring: EventRing, last_event_id: str | None, from_step: int | N
 
 
 async def event_stream(ring: EventRing, start: int, hello: dict, notice: dict | None, *,
-                       heartbeat_s: float = 10.0, batch: int = 2000):
-    """SSE text: `hello`, maybe `gap`, then every event from `start` on, each with its seq as id."""
+                       heartbeat_s: float = 10.0, batch: int = 2000, closing=lambda: False):
+    """SSE text: `hello`, maybe `gap`, then every event from `start` on, each with its seq as id.
+
+    Ends when `closing()` turns true (the server shuts down), so a shutdown need not wait for it.
+    """
     yield sse(json.dumps({**hello, "start_seq": start}), event="hello")
     if notice is not None:
         yield sse(json.dumps(notice), event="gap")
     seq = start
-    while True:
+    quiet_s = 0.0
+    while not closing():
         if seq < ring.oldest_seq:           # this client fell behind the ring
             notice = {"requested_seq": seq, "oldest_seq": ring.oldest_seq, "lost": ring.oldest_seq - seq,
                       "message": "this stream fell behind the server's event history; events were lost"}
@@ -124,5 +128,9 @@ async def event_stream(ring: EventRing, start: int, hello: dict, notice: dict | 
             yield "".join(sse(ring.line(s), id=s) for s in range(seq, end))
             seq = end
             await asyncio.sleep(0)
-        elif not await ring.wait_beyond(seq, heartbeat_s):
-            yield ": keep-alive\n\n"
+            quiet_s = 0.0
+        elif not await ring.wait_beyond(seq, 0.5):
+            quiet_s += 0.5
+            if quiet_s >= heartbeat_s:
+                quiet_s = 0.0
+                yield ": keep-alive\n\n"
