@@ -158,6 +158,15 @@ class Engine:
         self._emit(ev.RequestRetired, request.request_id, reason, slot, request.num_prompt_tokens,
                    request.num_output_tokens)
 
+    def fail_running(self, message: str) -> list[RequestOutput]:
+        """A step raised: retire every running request with reason `error` so the engine can go on."""
+        self.refuse("step", message)
+        outputs = []
+        for request in list(self.scheduler.running):
+            self._retire(request, "error", self.batch.slot_of.get(request.request_id, -1))
+            outputs.append(RequestOutput(request.request_id, [], True, "error"))
+        return outputs
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

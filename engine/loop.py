@@ -187,7 +187,10 @@ class EngineLoop:
                 if self._paused:
                     self._steps_allowed -= 1
                 step_before = self.engine.step_count
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:   # retire the batch that failed, keep serving the rest
+                    outputs = self.engine.fail_running(repr(error))
                 for output in outputs:
                     self._deliver(output)
                 if self.engine.step_count == step_before:
@@ -204,7 +207,10 @@ class EngineLoop:
     def _deliver(self, output: RequestOutput) -> None:
         listener = self._listeners.get(output.request_id)
         if listener is not None:
-            listener(output)
+            try:
+                listener(output)
+            except Exception as error:      # an observer's bug must not stop the engine
+                self.engine.refuse(f"deliver output of {output.request_id}", repr(error))
         if output.finished:
             self._listeners.pop(output.request_id, None)
             self.engine.release(output.request_id)     # a long-running loop keeps no finished requests

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_BELOW = 1e-5
+MIN_TOP_P = 1e-6           # a smaller top_p keeps only the most likely token, as this does
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -28,7 +32,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below this the softmax overflows in float32; the answer is the argmax anyway
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:
@@ -78,7 +83,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         sorted_logits = logits.sort(dim=-1, descending=True).values
         kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    top_p = torch.tensor([max(p.top_p, MIN_TOP_P) for p in params]).unsqueeze(1)
     if (top_p < 1).any():
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)

@@ -242,7 +242,7 @@ class Scheduler:
     def finish(self, request: Request, reason: str) -> bool:
         """Retire a request. True when it leaves the batch now; False when it stays as a static padding
         row (its blocks held) until the longest row of its batch finishes."""
-        stays_as_padding = (self.knobs.batching_mode != "continuous" and reason != "abort"
+        stays_as_padding = (self.knobs.batching_mode != "continuous" and reason not in ("abort", "error")
                             and request.status is Status.RUNNING)
         if stays_as_padding:
             self.running.remove(request)

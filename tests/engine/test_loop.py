@@ -1,0 +1,82 @@
+"""EngineLoop: commands between steps, and no observer or failed step stops the engine."""
+import threading
+
+import pytest
+
+from batchtop.engine.config import EngineConfig
+from batchtop.engine.engine import Engine
+from batchtop.engine.loop import EngineLoop
+from batchtop.engine.model import load_model
+from batchtop.engine.sampling import SamplingParams
+from batchtop.telemetry import events as ev
+
+
+@pytest.fixture
+def loop():
+    events = []
+    engine = Engine(EngineConfig(model="tiny", max_num_seqs=4), sink=events.append, loaded=load_model("tiny"))
+    loop = EngineLoop(engine).start()
+    loop.events = events
+    yield loop
+    loop.stop()
+
+
+def collect(loop, prompt, max_tokens=5, **kwargs):
+    done, outputs = threading.Event(), []
+
+    def on_output(output):
+        outputs.append(output)
+        if output.finished:
+            done.set()
+    loop.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), on_output=on_output, **kwargs)
+    assert done.wait(60)
+    return outputs
+
+
+def test_a_failing_step_retires_its_batch_and_the_engine_goes_on(loop):
+    forward = loop.engine.runner.forward
+    calls = []
+
+    def broken_once(inputs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated kernel failure")
+        return forward(inputs)
+    loop.call(lambda: setattr(loop.engine.runner, "forward", broken_once))
+    failed = collect(loop, [5, 6, 7])
+    assert failed[-1].finish_reason == "error"
+    ok = collect(loop, [5, 6, 7])
+    assert [o.finish_reason for o in ok][-1] == "length" and sum(len(o.new_token_ids) for o in ok) == 5
+    assert loop.error is None and loop.running
+    refused = [e for e in loop.events if isinstance(e, ev.CommandRefused)]
+    assert refused and "simulated kernel failure" in refused[0].message
+    assert loop.call(lambda: loop.engine.kv.num_free_blocks == loop.engine.kv.num_blocks)
+
+
+def test_a_raising_output_callback_does_not_stop_the_engine(loop):
+    def bad_listener(output):
+        raise ValueError("observer bug")
+    loop.add_request([9, 9], SamplingParams(max_tokens=3, ignore_eos=True), on_output=bad_listener)
+    outputs = collect(loop, [1, 2, 3])
+    assert outputs[-1].finished and loop.running and loop.error is None
+
+
+def test_vanishing_temperature_and_top_p_sample_without_error(loop):
+    for params in (SamplingParams(max_tokens=4, temperature=1e-30), SamplingParams(max_tokens=4, temperature=1.0,
+                                                                                    top_p=5e-324)):
+        done = threading.Event()
+        loop.add_request([3, 4], params, on_output=lambda o: o.finished and done.set())
+        assert done.wait(60)
+    assert loop.running and loop.error is None
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(loop):
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=123)
+    alone = Engine(EngineConfig(model="tiny"), loaded=loop.engine.loaded).generate([[5, 6, 7]], params)[0].token_ids
+    crowd = Engine(EngineConfig(model="tiny"), loaded=loop.engine.loaded).generate(
+        [[5, 6, 7], [8] * 20, [9] * 3], [params, SamplingParams(max_tokens=8, temperature=1.0, seed=1),
+                                          SamplingParams(max_tokens=8)])[0].token_ids
+    assert alone == crowd
+    unseeded = Engine(EngineConfig(model="tiny"), loaded=loop.engine.loaded).generate(
+        [[5, 6, 7]] * 2, SamplingParams(max_tokens=8, temperature=5.0))
+    assert unseeded[0].token_ids != unseeded[1].token_ids
