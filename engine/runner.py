@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from batchtop import kernels
+from batchtop.kernels import attention_cpu
 
 ATTENTION_NAME = "batchtop_paged"
 
@@ -61,6 +62,8 @@ class Runner:
         shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                           for _ in range(config.num_hidden_layers)]
+        if dtype == torch.float32:
+            attention_cpu.available()      # build the CPU decode kernel now (once per machine), not mid-step
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

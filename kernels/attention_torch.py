@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import attention_cpu
 from .shapes import check_attention_inputs, check_kv_write_inputs, check_metadata_inputs
 
 # A decode row joins a group padded to a longer row while the padding it adds is at most
@@ -35,6 +36,8 @@ class DecodeRows:
     kv_mask: torch.Tensor  # bool [rows, 1, 1, max_blocks * block_size]: position < seq_len
     max_blocks: int
     is_whole_step: bool  # the only group of a decode-only step: row i is token i, no scatter
+    row_block_table: torch.Tensor  # int32 [rows, max_blocks]: for the C++ CPU kernel
+    row_seq_lens: torch.Tensor  # int32 [rows]
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,8 @@ def _decode_rows(
         kv_mask=(positions[None, :] < seq_lens[:, None])[:, None, None, :],
         max_blocks=max_blocks,
         is_whole_step=len(seqs) == starts[-1],
+        row_block_table=block_table[seq_idx, :max_blocks].to(torch.int32).contiguous(),
+        row_seq_lens=seq_lens.to(torch.int32),
     )
 
 
@@ -226,6 +231,9 @@ def paged_attention(
 def _decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: DecodeRows, scale: float
 ) -> torch.Tensor:
+    if query.device.type == "cpu" and query.dtype == torch.float32 and attention_cpu.available():
+        # one pass over each row's KV instead of gather + padded copy + SDPA (docs/kernels.md)
+        return attention_cpu.paged_decode(query, k_cache, v_cache, rows.row_block_table, rows.row_seq_lens, scale)
     num_rows, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     padded_len = rows.max_blocks * k_cache.shape[1]
