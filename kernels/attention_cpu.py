@@ -2,8 +2,8 @@
 
 Why: on the CPU a decode row's attention is bound by reading its KV, and the torch path reads
 it three times (gather into a padded copy, write it, read it again in SDPA). This kernel walks
-each row's block table and reads every cached K/V exactly once, with an online softmax, over
-(row, KV head) pairs in parallel on torch's thread pool. fp32 only; rows with query_len == 1.
+each row's block table and reads every cached K/V exactly once, with an online softmax, rows in
+parallel on torch's thread pool (heads too when rows are fewer than threads). fp32 only; rows with query_len == 1.
 
 It compiles with the machine's C++ compiler through torch.utils.cpp_extension the first time it
 is used (about a minute) into the torch extensions cache; `available()` is False where that
@@ -37,60 +37,68 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const int32_t* sl = seq_lens.data_ptr<int32_t>();
     float* op = out.data_ptr<float>();
     const float fscale = (float)scale;
-    at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> acc(G * D), m(G), l(G), s(G * BS);
+    // One task is one row and all its heads, so a block's positions are read as one contiguous
+    // [block_size, Hkv, D] run; a row is split across heads only when there are too few rows.
+    const int64_t splits = R >= at::get_num_threads() ? 1 : Hkv;
+    at::parallel_for(0, R * splits, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> acc(Hq * D), m(Hq), l(Hq), s(Hq * BS);
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t r = task / Hkv, h = task % Hkv;
+            const int64_t r = task / splits;
+            const int64_t h0 = splits == 1 ? 0 : task % splits, h1 = splits == 1 ? Hkv : h0 + 1;
             const int64_t len = sl[r];
-            const float* qrow = qp + (r * Hq + h * G) * D;
+            const float* qrow = qp + r * Hq * D;
             std::fill(acc.begin(), acc.end(), 0.f);
             std::fill(m.begin(), m.end(), -1e30f);    // finite: the build assumes no infinities
             std::fill(l.begin(), l.end(), 0.f);
             for (int64_t start = 0; start < len; start += BS) {
                 const int64_t block = bt[r * MB + start / BS];
                 const int64_t n = std::min(BS, len - start);
-                const float* kb = kp + (block * BS * Hkv + h) * D;
-                const float* vb = vp + (block * BS * Hkv + h) * D;
-                // scores of the block's positions, every query head of this KV head
+                const float* kb = kp + block * BS * Hkv * D;
+                const float* vb = vp + block * BS * Hkv * D;
+                // scores of the block's positions for every query head (head q uses KV head q / G)
                 for (int64_t j = 0; j < n; ++j) {
-                    const float* k = kb + j * Hkv * D;
-                    for (int64_t g = 0; g < G; ++g) {
-                        const float* qg = qrow + g * D;
-                        float dot = 0.f;
-                        #pragma omp simd reduction(+:dot)
-                        for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
-                        s[g * BS + j] = dot * fscale;
+                    for (int64_t h = h0; h < h1; ++h) {
+                        const float* k = kb + (j * Hkv + h) * D;
+                        for (int64_t g = 0; g < G; ++g) {
+                            const float* qh = qrow + (h * G + g) * D;
+                            float dot = 0.f;
+                            #pragma omp simd reduction(+:dot)
+                            for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
+                            s[(h * G + g) * BS + j] = dot * fscale;
+                        }
                     }
                 }
                 // online softmax: rescale what was summed so far to the new running max
-                for (int64_t g = 0; g < G; ++g) {
-                    float* sg = s.data() + g * BS;
-                    float block_max = m[g];
-                    for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sg[j]);
-                    const float correction = std::exp(m[g] - block_max);
+                for (int64_t q = h0 * G; q < h1 * G; ++q) {
+                    float* sq = s.data() + q * BS;
+                    float block_max = m[q];
+                    for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sq[j]);
+                    const float correction = std::exp(m[q] - block_max);
                     float sum = 0.f;
                     #pragma omp simd reduction(+:sum)
-                    for (int64_t j = 0; j < n; ++j) { sg[j] = std::exp(sg[j] - block_max); sum += sg[j]; }
-                    l[g] = l[g] * correction + sum;
-                    m[g] = block_max;
-                    float* a = acc.data() + g * D;
+                    for (int64_t j = 0; j < n; ++j) { sq[j] = std::exp(sq[j] - block_max); sum += sq[j]; }
+                    l[q] = l[q] * correction + sum;
+                    m[q] = block_max;
+                    float* a = acc.data() + q * D;
                     #pragma omp simd
                     for (int64_t d = 0; d < D; ++d) a[d] *= correction;
                 }
                 for (int64_t j = 0; j < n; ++j) {
-                    const float* v = vb + j * Hkv * D;
-                    for (int64_t g = 0; g < G; ++g) {
-                        const float p = s[g * BS + j];
-                        float* a = acc.data() + g * D;
-                        #pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+                    for (int64_t h = h0; h < h1; ++h) {
+                        const float* v = vb + (j * Hkv + h) * D;
+                        for (int64_t g = 0; g < G; ++g) {
+                            const float p = s[(h * G + g) * BS + j];
+                            float* a = acc.data() + (h * G + g) * D;
+                            #pragma omp simd
+                            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+                        }
                     }
                 }
             }
-            for (int64_t g = 0; g < G; ++g) {
-                float* o = op + (r * Hq + h * G + g) * D;
-                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-                for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+            for (int64_t q = h0 * G; q < h1 * G; ++q) {
+                float* o = op + (r * Hq + q) * D;
+                const float inv = l[q] > 0.f ? 1.f / l[q] : 0.f;
+                for (int64_t d = 0; d < D; ++d) o[d] = acc[q * D + d] * inv;
             }
         }
     });
@@ -112,7 +120,7 @@ def _load():
             try:
                 from torch.utils.cpp_extension import load_inline
                 _module = load_inline(
-                    name="batchtop_paged_decode_v2", cpp_sources=[_SOURCE],
+                    name="batchtop_paged_decode_v3", cpp_sources=[_SOURCE],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=bool(os.environ.get("BATCHTOP_VERBOSE_BUILD")))
             except Exception as error:          # no compiler, no headers: the torch path serves
