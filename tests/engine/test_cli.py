@@ -28,8 +28,8 @@ def test_generate_rejects_a_prompt_beyond_the_context_with_the_lengths():
 def test_record_a_trace_then_export_it(tmp_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text('{"arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": 12}\n'
-                     '{"arrival_s": 0.02, "prompt": "Hello world", "output_tokens": 5}\n'
-                     '{"arrival_s": 0.04, "prompt_tokens": 20, "output_tokens": 30}\n')
+                     '{"arrival_s": 0.0, "prompt": "Hello world", "output_tokens": 5}\n'
+                     '{"arrival_s": 0.0, "prompt_tokens": 20, "output_tokens": 30}\n')
     log = tmp_path / "run.jsonl"
     batchtop("record", "--model", "tiny", "--trace", str(trace), "--out", str(log))
     summary = batchtop("export", str(log), "--format", "summary").stdout
