@@ -214,6 +214,8 @@ class BatchtopApp(App):
 
     def tick(self) -> None:
         """Drain the source into the model and refresh what is visible: the UI's only heartbeat."""
+        if not self.query("#status"):     # the widgets are not composed yet, or already torn down
+            return
         poll = self.source.poll()
         if poll.reset:
             self.model = self._new_model()
