@@ -45,6 +45,16 @@ class RequestResult:
     error: str = ""
     usage: dict | None = None        # the server's usage block, when it sent one
     num_chunks: int = 0
+    last_chunk_time: float = 0.0
+
+    def chunk_arrived(self, now: float) -> None:
+        """A streamed chunk: the first sets TTFT, every later one adds an inter-token gap."""
+        if self.num_chunks == 0:
+            self.ttft = now - self.start_time
+        else:
+            self.itl.append(now - self.last_chunk_time)
+        self.last_chunk_time = now
+        self.num_chunks += 1
 
     @property
     def tpot(self) -> float | None:
@@ -143,7 +153,6 @@ class OpenAIBackend:
     async def send(self, request: BenchRequest) -> RequestResult:
         result = RequestResult(prompt_len=request.prompt_len)
         start = result.start_time = time.perf_counter()
-        last = start
         try:
             async with self.client.stream("POST", self.url, json=self.body(request)) as response:
                 if response.status_code != 200:
@@ -164,13 +173,7 @@ class OpenAIBackend:
                     choices = data.get("choices")
                     if not choices or (self.chat and "role" in choices[0].get("delta", {})):
                         continue
-                    now = time.perf_counter()
-                    if result.num_chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    result.num_chunks += 1
+                    result.chunk_arrived(time.perf_counter())
             result.latency = time.perf_counter() - start
             result.output_tokens = (result.usage or {}).get("completion_tokens", result.num_chunks)
             if result.usage and "prompt_tokens" in result.usage:
@@ -202,7 +205,6 @@ class EmbeddedBackend:
             self.router.aloop = asyncio.get_running_loop()
         result = RequestResult(prompt_len=request.prompt_len)
         start = result.start_time = time.perf_counter()
-        last = start
         self._ids += 1
         request_id = f"bench-{self._ids}"
         wake = asyncio.Event()
@@ -213,13 +215,7 @@ class EmbeddedBackend:
                                   on_output=self.router.push, request_id=request_id)
             while True:
                 if pending.tokens:
-                    now = time.perf_counter()
-                    if result.num_chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    result.num_chunks += 1
+                    result.chunk_arrived(time.perf_counter())
                     result.output_tokens += len(pending.tokens)
                     pending.tokens = []
                 if pending.finished:
