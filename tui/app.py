@@ -32,6 +32,7 @@ KNOB_ALIASES = {
     "mode": "batching_mode", "rate": "load_rate", "dist": "length_dist",
 }
 WIDE_COLUMNS = 130        # from here on the timeline sits beside the request table
+IDLE_REDRAW_TICKS = 10     # with nothing new, redraw once a second (ages and rates move)
 
 
 class LoadingSource(Source):
@@ -116,6 +117,7 @@ class BatchtopApp(App):
         self.status_message = ""
         self._seen_model_message = ""
         self._ticks = 0
+        self._shown_status: str | None = None
         self._plots_dirty = True
         self._top_height = 0
 
@@ -229,7 +231,10 @@ class BatchtopApp(App):
         self._fit_top()
         if self.model.message != self._seen_model_message:
             self._seen_model_message = self.status_message = self.model.message
-        self.refresh_views()
+        # Rendering is the UI thread's main cost and it holds the GIL the engine thread needs:
+        # a tick that brought no events redraws only once a second (for the ages and rates).
+        if poll.events or poll.reset or self._ticks % IDLE_REDRAW_TICKS == 0:
+            self.refresh_views()
 
     def refresh_views(self) -> None:
         self.header.refresh()
@@ -245,7 +250,9 @@ class BatchtopApp(App):
             self.timelines[1].refresh()
         elif self.view == "plots" and (self._plots_dirty or self._ticks % self._plot_every == 0):
             self.redraw_plots()
-        self.query_one("#status", Static).update(self.status_message)
+        if self.status_message != self._shown_status:
+            self._shown_status = self.status_message
+            self.query_one("#status", Static).update(self.status_message)
 
     def redraw_plots(self) -> None:
         for panel in self.plot_panels:
@@ -253,7 +260,7 @@ class BatchtopApp(App):
         self._plots_dirty = False
 
     def say(self, message: str, error: bool = False) -> None:
-        self.status_message = f"[b red]{message}[/]" if error else message
+        self.status_message = self._shown_status = f"[b red]{message}[/]" if error else message
         self.query_one("#status", Static).update(self.status_message)
 
     def _answer(self, error: str | None, ok: str = "") -> None:
