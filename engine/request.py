@@ -50,16 +50,5 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def max_total_tokens(self) -> int:
-        """The most KV positions this request can ever hold (the last sampled token is never fed back)."""
-        return self.num_prompt_tokens + self.sampling.max_tokens - 1
-
-    def token_ids(self, start: int, stop: int) -> list[int]:
-        prompt = self.prompt_token_ids
-        if stop <= len(prompt):
-            return prompt[start:stop]
-        return (prompt + self.output_token_ids)[start:stop]
-
-    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
