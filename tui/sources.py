@@ -269,8 +269,8 @@ class EngineSource(Source):
 
     Build it with `EngineSource.create(config, ...)` (loads the model: call it off the UI
     thread) or hand in the parts. Knob changes go through `EngineLoop.set_knob` (validated
-    at once, applied before the next step); the load knobs change the load generator and
-    are announced on the bus as KnobChanged(source="tui") so they reach the log and recordings.
+    at once, applied before the next step); the load knobs through `EngineLoop.set_load_knob`,
+    which the engine announces as KnobChanged(source="tui") so they reach the log and recordings.
     """
 
     kind = "engine"
