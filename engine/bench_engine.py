@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        _write_section(text)
+        write_section(text)
     return 0
 
 
@@ -251,14 +251,14 @@ def telemetry_main(args) -> int:
         f"| off | {off:.2f} | 1.000 |", f"| recorder | {recorder:.2f} | {recorder / off:.3f} |", ""])
     print(text)
     if not args.no_write:
-        _write_section(text, TELEMETRY_SECTION)
+        write_section(text, TELEMETRY_SECTION)
     return 0
 
 
 TELEMETRY_SECTION = "## Telemetry overhead"
 
 
-def _write_section(text: str, section: str = SECTION) -> None:
+def write_section(text: str, section: str = SECTION) -> None:
     """Replace this benchmark's section of docs/benchmarks.md, leaving the other sections alone."""
     old = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
     if section in old:

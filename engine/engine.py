@@ -213,16 +213,14 @@ class Engine:
         removed = (self._retired_from_batch + [r.request_id for r, _, _ in plan.preempted]
                    + [r.request_id for r in plan.released])
         self._retired_from_batch = []
-        slot_before = {rid: self.batch.slot_of.get(rid, -1) for rid in removed}
+        for request, blocks_freed, tokens in plan.preempted:     # their slots, before the batch forgets them
+            slot = self.batch.slot_of.get(request.request_id, -1)
+            if plan.retracting:
+                self._emit(ev.RequestRetracted, request.request_id, slot, blocks_freed, tokens, plan.new_token_ratio)
+            else:
+                self._emit(ev.RequestPreempted, request.request_id, slot, blocks_freed, tokens, "kv pool exhausted")
         update = self.batch.update(removed, [(r.request_id, r.prompt_token_ids + r.output_token_ids)
                                              for r in plan.admitted])
-        for request, blocks_freed, tokens in plan.preempted:
-            if plan.retracting:
-                self._emit(ev.RequestRetracted, request.request_id, slot_before[request.request_id], blocks_freed,
-                           tokens, plan.new_token_ratio)
-            else:
-                self._emit(ev.RequestPreempted, request.request_id, slot_before[request.request_id], blocks_freed,
-                           tokens, "kv pool exhausted")
         for request in plan.admitted:
             request.admit_time = request.admit_time or time.monotonic()
             self._emit(ev.RequestAdmitted, request.request_id, self.batch.slot_of[request.request_id],

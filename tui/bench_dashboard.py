@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from batchtop.engine.bench_engine import _write_section, make_trace
+from batchtop.engine.bench_engine import write_section, make_trace
 from batchtop.engine.config import EngineConfig
 from batchtop.engine.engine import Engine
 from batchtop.engine.loop import EngineLoop
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        _write_section(text, SECTION)
+        write_section(text, SECTION)
     return 0
 
 
