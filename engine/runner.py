@@ -2,12 +2,14 @@
 
 Every op but attention runs on the flat `[sum N_i, d]` token axis; attention gets the
 offsets (`query_start_loc`, `seq_lens`, `block_table`, `slot_mapping`) and the paged KV
-cache through transformers' attention-function registry, so the model definition stays
-transformers' own.
+cache. Llama models run through forward.py (transformers' modules, fused and packed
+projections); any other architecture runs transformers' own forward with the paged attention
+registered in its attention-function registry.
 """
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +18,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from batchtop import kernels
-from batchtop.kernels import attention_cpu
+from batchtop.kernels import cpu
+
+from .forward import FlatForward, supports
 
 ATTENTION_NAME = "batchtop_paged"
 
@@ -34,18 +38,23 @@ class StepInputs:
 
 @dataclass
 class _ForwardContext:
-    """Handed through the model's kwargs to every attention call of one step."""
+    """One step's attention state, handed to every layer's attention call."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     slot_mapping: torch.Tensor
     metadata: object
 
+    def attend(self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """One layer's paged attention on `[tokens, heads, head_dim]`: store the new K/V, attend."""
+        k_cache, v_cache = self.kv_caches[layer_index]
+        kernels.write_kv_cache(key, value, k_cache, v_cache, self.slot_mapping)
+        return kernels.paged_attention(query, k_cache, v_cache, self.metadata, scale)
+
 
 def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, batchtop=None, **_):
     # transformers hands [1, heads, tokens, head_dim]; the kernels want [tokens, heads, head_dim]
-    k_cache, v_cache = batchtop.kv_caches[module.layer_idx]
-    kernels.write_kv_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache,
-                           batchtop.slot_mapping)
-    out = kernels.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batchtop.metadata, scaling)
+    out = batchtop.attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                          value[0].transpose(0, 1), scaling)
     return out.unsqueeze(0), None
 
 
@@ -69,19 +78,28 @@ def _keep_freed_memory_in_the_heap() -> None:
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameters
 
 
+_flat_forwards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its packed FlatForward
+
+
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype):
         _keep_freed_memory_in_the_heap()
         self.model = model
         self.block_size = block_size
         config = model.config
-        model.set_attn_implementation(ATTENTION_NAME)
+        # build the CPU kernels now (once per machine), not mid-step
+        self.decode_kernel = dtype == torch.float32 and cpu.available()
+        if supports(model):
+            if model not in _flat_forwards:       # packing takes a copy of the weights: once per model
+                _flat_forwards[model] = FlatForward(model)
+            self.flat_forward = _flat_forwards[model]
+        else:
+            self.flat_forward = None
+            model.set_attn_implementation(ATTENTION_NAME)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                           for _ in range(config.num_hidden_layers)]
-        if dtype == torch.float32:
-            attention_cpu.available()      # build the CPU decode kernel now (once per machine), not mid-step
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -119,6 +137,25 @@ class Runner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits `[num_sampling_rows, vocab]` for the rows that sample, in row order."""
+        if self.flat_forward is None:
+            return self._transformers_forward(inputs)
+        hidden = self.flat_forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.slot_mapping,
+                                   self._attention(inputs))
+        # The LM head is a large GEMM: run it only on the tokens whose logits are sampled.
+        return self.flat_forward.logits(hidden[inputs.logits_indices])
+
+    def _attention(self, inputs: StepInputs):
+        """The step's attention over K/V already in the caches, `attend(layer_index, query, scale)`."""
+        caches = self.kv_caches
+        if self.decode_kernel and len(inputs.input_ids) == len(inputs.seq_lens):
+            # every row decodes one token: straight to the CPU decode kernel, no metadata to build
+            return lambda index, query, scale: cpu.paged_decode(query, *caches[index], inputs.block_table,
+                                                                inputs.seq_lens, scale)
+        metadata = kernels.build_attention_metadata(
+            inputs.query_start_loc, inputs.seq_lens, inputs.block_table, self.block_size)
+        return lambda index, query, scale: kernels.paged_attention(query, *caches[index], metadata, scale)
+
+    def _transformers_forward(self, inputs: StepInputs) -> torch.Tensor:
         metadata = kernels.build_attention_metadata(
             inputs.query_start_loc, inputs.seq_lens, inputs.block_table, self.block_size)
         context = _ForwardContext(self.kv_caches, inputs.slot_mapping, metadata)
@@ -128,5 +165,4 @@ class Runner:
             use_cache=False,
             batchtop=context,
         ).last_hidden_state[0]
-        # The LM head is a large GEMM: run it only on the tokens whose logits are sampled.
         return self.model.lm_head(hidden[inputs.logits_indices])

@@ -1,0 +1,96 @@
+"""C++ kernels for the CPU, compiled on first use from cpu_kernels.cpp (docs/kernels.md).
+
+- `paged_decode`: decode attention. On the CPU a decode row's attention is bound by reading its
+  KV, and the torch path reads it three times (gather into a padded copy, write it, read it again
+  in SDPA); this walks each row's block table and reads every cached K/V once, with an online
+  softmax, rows in parallel on torch's thread pool (heads too when rows are fewer than threads).
+  fp32; rows with query_len == 1.
+- `packed_linear`: `x @ W.T` over a weight packed once by `pack_linear` into 48-column panels.
+  MKL's sgemm is poor at the few rows of a decode step (8 rows took 2x the time of 1 here,
+  though both only stream the weights); this kernel streams each panel once for up to 8 rows
+  and matches MKL at thousands of rows, so one kernel serves every step.
+- `add_rms_norm`, `rope_and_cache`, `silu_mul`: a Llama layer's elementwise steps, one call each
+  instead of transformers' several small ops each, which at a decode step's few rows cost more
+  than the arithmetic (engine/forward.py).
+
+The build runs the machine's C++ compiler through torch.utils.cpp_extension (about a minute),
+once per machine, into the torch extensions cache; `available()` is False where that fails (or
+BATCHTOP_CPU_KERNEL=0), and callers use torch instead.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+PANEL = 48                     # output columns per packed panel; the kernel's micro-tile width
+
+_lock = threading.Lock()
+_module = None
+_failed: str | None = None
+
+
+def _load():
+    global _module, _failed
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None and _failed is None:
+            try:
+                from torch.utils.cpp_extension import load
+                _module = load(
+                    name="batchtop_cpu_kernels", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_ldflags=["-fopenmp"], verbose=bool(os.environ.get("BATCHTOP_VERBOSE_BUILD")))
+            except Exception as error:          # no compiler, no headers: the torch paths serve
+                _failed = f"{type(error).__name__}: {error}"
+    return _module
+
+
+def available() -> bool:
+    if os.environ.get("BATCHTOP_CPU_KERNEL", "1") == "0":
+        return False
+    return _load() is not None
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention of `query` `[rows, Hq, D]` (one token per row) over each row's paged KV."""
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        query = query.contiguous()
+    return _load().paged_decode(query, k_cache, v_cache, block_table.to(torch.int32).contiguous(),
+                                seq_lens.to(torch.int32).contiguous(), float(scale))
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """`[N, K]` -> panels `[ceil(N / 48), K, 48]`: panel p holds output columns 48p..48p+47, zero past N."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach().float(), (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`x` `[M, K]` times the packed weight's transpose: `[M, out_features]`."""
+    return _load().packed_linear(x.contiguous(), panels, out_features)
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`hidden += delta` in place (when given), then transformers' LlamaRMSNorm of `hidden`."""
+    return _load().add_rms_norm(hidden, delta, weight, float(eps))
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate q (in place) and k of the fused `[T, (Hq + 2 Hkv) * D]` projection, store k and v in
+    the caches at `slot_mapping`; returns q as a `[T, Hq, D]` view."""
+    return _load().rope_and_cache(qkv, cos, sin, num_heads, num_kv_heads, k_cache, v_cache,
+                                  slot_mapping.to(torch.int64))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`[T, 2I]` -> `silu(gate) * up` `[T, I]`."""
+    return _load().silu_mul(gate_up)

@@ -1,0 +1,93 @@
+"""The runner's forward against transformers' own, on one ragged step of prefills then one of decodes.
+
+Three paths: forward.py with the fused C++ ops and packed GEMMs (the default for Llama on the CPU),
+forward.py on transformers' modules op by op (no C++ build), and transformers' forward with the
+paged attention registered by name (any other architecture; a Qwen2 with q/k/v biases here).
+"""
+import weakref
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from batchtop.engine import runner as runner_module
+from batchtop.engine.forward import FusedCpuOps, TransformersOps
+from batchtop.engine.model import load_model
+from batchtop.engine.runner import Runner
+from batchtop.kernels import cpu
+
+BLOCK = 4
+PROMPTS = [[5, 9, 200], list(range(300, 317)), [7] * 9, list(range(1000, 1033, 3))]
+
+
+def run_two_steps(model):
+    """Logits of every prompt's last token (one prefill step), then of one more token each (one decode step)."""
+    runner = Runner(model, num_blocks=64, block_size=BLOCK, dtype=torch.float32)
+    rows = len(PROMPTS)
+    width = max(map(len, PROMPTS)) + 1
+    token_ids = np.zeros((rows, width), dtype=np.int64)
+    for row, prompt in enumerate(PROMPTS):
+        token_ids[row, :len(prompt)] = prompt
+    block_table = np.arange(rows * 16, dtype=np.int32).reshape(rows, 16)[:, ::-1].copy()   # blocks out of order
+    slots = np.arange(rows)
+    lens = np.array([len(p) for p in PROMPTS])
+    samples = np.ones(rows, dtype=bool)
+    prefill = runner.forward(runner.prepare(token_ids, block_table, slots, np.zeros(rows, dtype=np.int64), lens, samples))
+    token_ids[slots, lens] = prefill.argmax(-1).numpy()
+    decode = runner.forward(runner.prepare(token_ids, block_table, slots, lens, np.ones(rows, dtype=np.int64), samples))
+    return runner, prefill, decode, [list(token_ids[r, :lens[r] + 1]) for r in range(rows)]
+
+
+def reference_logits(model, sequences):
+    with torch.inference_mode():
+        full = [model(input_ids=torch.tensor([s])).logits[0] for s in sequences]
+    return torch.stack([f[-2] for f in full]), torch.stack([f[-1] for f in full])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny").model
+
+
+def fresh_forwards(monkeypatch):
+    monkeypatch.setattr(runner_module, "_flat_forwards", weakref.WeakKeyDictionary())
+
+
+def assert_matches_transformers(model):
+    runner, prefill, decode, sequences = run_two_steps(model)
+    if runner.flat_forward is None:
+        model.set_attn_implementation("sdpa")     # the runner registered its paged attention on the model
+    want_prefill, want_decode = reference_logits(model, sequences)
+    torch.testing.assert_close(prefill, want_prefill, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(decode, want_decode, atol=2e-4, rtol=1e-4)
+    return runner
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ build")
+def test_fused_forward_matches_transformers(tiny, monkeypatch):
+    fresh_forwards(monkeypatch)
+    runner = assert_matches_transformers(tiny)
+    assert isinstance(runner.flat_forward.ops, FusedCpuOps)
+    assert runner.flat_forward.lm_head.panels is not None
+
+
+def test_forward_on_transformers_modules_matches_transformers(tiny, monkeypatch):
+    fresh_forwards(monkeypatch)
+    monkeypatch.setenv("BATCHTOP_CPU_KERNEL", "0")
+    runner = assert_matches_transformers(tiny)
+    assert type(runner.flat_forward.ops) is TransformersOps
+    assert runner.flat_forward.lm_head.panels is None
+
+
+def test_other_architectures_run_transformers_forward_with_paged_attention():
+    config = transformers.Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        model = transformers.Qwen2ForCausalLM(config).eval()
+        for layer in model.model.layers:             # non-zero biases, so a dropped bias would show
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias, std=0.5)
+            torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
+    runner = assert_matches_transformers(model)
+    assert runner.flat_forward is None

@@ -1,0 +1,125 @@
+"""The C++ CPU kernels against torch: decode attention vs gather + SDPA, the packed GEMM vs F.linear, the
+fused layer steps vs transformers' modules."""
+import random
+
+import pytest
+import torch
+
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from batchtop.kernels import attention_torch, cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no C++ build: {cpu._failed}")
+
+
+@pytest.mark.parametrize("block_size, num_kv_heads, group, head_dim", [
+    (16, 3, 3, 64), (32, 1, 4, 128), (16, 2, 1, 64), (8, 4, 2, 32),
+])
+def test_cpu_kernel_matches_torch_decode(monkeypatch, block_size, num_kv_heads, group, head_dim):
+    rng = random.Random(block_size * 100 + head_dim)
+    lens = [1, 2, block_size, block_size + 1, 1841, 96, 5023 // 4] + [rng.randint(1, 300) for _ in range(9)]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 5
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    free = torch.randperm(num_blocks).tolist()
+    width = max(-(-n // block_size) for n in lens)
+    block_table = torch.zeros(len(lens), width, dtype=torch.int32)
+    for row, n in enumerate(lens):
+        for j in range(-(-n // block_size)):
+            block_table[row, j] = free.pop()
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim)
+    meta = attention_torch.build_attention_metadata(torch.arange(len(lens) + 1, dtype=torch.int32),
+                                       torch.tensor(lens, dtype=torch.int32), block_table, block_size)
+    fast = attention_torch.paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5)
+    monkeypatch.setenv("BATCHTOP_CPU_KERNEL", "0")
+    assert not cpu.available()
+    reference = attention_torch.paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5)
+    torch.testing.assert_close(fast, reference, atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_reads_nothing_past_seq_len():
+    k_cache = torch.randn(4, 16, 1, 8)
+    v_cache = torch.randn_like(k_cache)
+    query = torch.randn(1, 2, 8)
+    block_table = torch.tensor([[2, 0]], dtype=torch.int32)
+    before = cpu.paged_decode(query, k_cache, v_cache, block_table, torch.tensor([20], dtype=torch.int32), 0.3)
+    k_cache[0, 4:] = float("nan")            # positions 20.. of the row, and blocks it does not own
+    v_cache[0, 4:] = float("nan")
+    k_cache[1], v_cache[3] = float("nan"), float("nan")
+    after = cpu.paged_decode(query, k_cache, v_cache, block_table, torch.tensor([20], dtype=torch.int32), 0.3)
+    torch.testing.assert_close(after, before)
+
+
+def test_decode_kernel_reads_a_query_with_a_row_stride():
+    k_cache, v_cache = torch.randn(6, 16, 2, 8), torch.randn(6, 16, 2, 8)
+    fused = torch.randn(3, (4 + 2 + 2) * 8)                 # q/k/v side by side, as the fused projection gives
+    query = fused[:, :32].view(3, 4, 8)
+    block_table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 17, 32], dtype=torch.int32)
+    torch.testing.assert_close(cpu.paged_decode(query, k_cache, v_cache, block_table, seq_lens, 0.3),
+                               cpu.paged_decode(query.contiguous(), k_cache, v_cache, block_table, seq_lens, 0.3))
+
+
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (48, 7), (50, 33), (1, 5), (97, 64), (3072, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 130])
+def test_packed_linear_matches_f_linear(rows, out_features, in_features):
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features)
+    x = torch.randn(rows, in_features)
+    panels = cpu.pack_linear(weight)
+    assert panels.shape == (-(-out_features // cpu.PANEL), in_features, cpu.PANEL)
+    out = cpu.packed_linear(x, panels, out_features)
+    assert out.shape == (rows, out_features)
+    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4 * in_features ** 0.5, rtol=1e-5)
+
+
+def test_packed_linear_refuses_a_width_that_does_not_match_its_panels():
+    panels = cpu.pack_linear(torch.randn(100, 8))            # 3 panels: 100 columns fit, 97..144 would too
+    with pytest.raises(RuntimeError, match="N does not match"):
+        cpu.packed_linear(torch.randn(2, 8), panels, 145)
+    with pytest.raises(RuntimeError, match="panels"):
+        cpu.packed_linear(torch.randn(2, 9), panels, 100)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_add_rms_norm_is_llama_rms_norm_of_the_updated_residual(tokens):
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    hidden, delta = torch.randn(tokens, 576), torch.randn(tokens, 576)
+    want_hidden = hidden + delta
+    with torch.inference_mode():
+        want = norm(want_hidden)
+        got = cpu.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)
+        torch.testing.assert_close(hidden, want_hidden, atol=0, rtol=0)          # updated in place, exactly
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cpu.add_rms_norm(hidden, None, norm.weight, 1e-5), want, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_and_cache_rotates_like_transformers_and_stores_k_and_v():
+    heads, kv_heads, dim, tokens, block_size = 9, 3, 64, 7, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    positions = torch.tensor([0, 1, 2, 40, 41, 900, 5])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    want_q, want_k = apply_rotary_pos_emb(q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim), cos, sin,
+                                          unsqueeze_dim=1)
+    want_v = v.reshape(tokens, kv_heads, dim).clone()
+    k_cache, v_cache = torch.zeros(5, block_size, kv_heads, dim), torch.zeros(5, block_size, kv_heads, dim)
+    slot_mapping = torch.tensor([19, 0, 7, 8, 3, 12, 13])
+    got_q = cpu.rope_and_cache(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slot_mapping)
+    torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache.view(-1, kv_heads, dim)[slot_mapping], want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_cache.view(-1, kv_heads, dim)[slot_mapping], want_v, atol=0, rtol=0)
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert k_cache.view(20, -1)[untouched].abs().sum() == 0 and v_cache.view(20, -1)[untouched].abs().sum() == 0
+
+
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_silu_mul_is_silu_of_gate_times_up(tokens):
+    gate_up = torch.randn(tokens, 2 * 1536) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
