@@ -1,8 +1,9 @@
 """BatchtopApp: the dashboard over any source (engine, replay, a feed of events).
 
-Once per tick (~10 Hz) the app polls its source, folds the new events into the
-view model and refreshes the visible panels: one refresh per tick, never one
-message per event. Keys map to `action_*` methods (see BINDINGS and `?`).
+Once per tick (~10 Hz) the app polls its source and folds the new events into the
+view model; it redraws the visible panels at most once per `refresh_s` (never one
+message per event), at once after a key, and once a second when nothing moves.
+Keys map to `action_*` methods (see BINDINGS and `?`).
 """
 from __future__ import annotations
 
@@ -103,11 +104,13 @@ class BatchtopApp(App):
 
     def __init__(self, source: Source | None = None, *, source_factory: Callable[[], Source] | None = None,
                  loading_what: str = "engine", tick_s: float | None = 0.1, clock: Callable[[], float] | None = None,
-                 plot_every: int = 10, record_path: str | None = None):
+                 plot_every: int = 10, record_path: str | None = None, refresh_s: float = 0.0):
         super().__init__()
         self.source: Source = source or LoadingSource(loading_what)
         self._source_factory = source_factory
         self._tick_s = tick_s
+        self._refresh_s = refresh_s
+        self._last_redraw = float("-inf")
         self._clock = clock
         self._plot_every = plot_every
         self._record_path = record_path
@@ -232,11 +235,15 @@ class BatchtopApp(App):
         if self.model.message != self._seen_model_message:
             self._seen_model_message = self.status_message = self.model.message
         # Rendering is the UI thread's main cost and it holds the GIL the engine thread needs:
-        # a tick that brought no events redraws only once a second (for the ages and rates).
-        if poll.events or poll.reset or self._ticks % IDLE_REDRAW_TICKS == 0:
+        # new events redraw at most once per refresh_s; a quiet tick redraws once a second
+        # (for the ages and rates).
+        moved = poll.events or poll.reset
+        if (moved and time.monotonic() - self._last_redraw >= self._refresh_s
+                or self._ticks % IDLE_REDRAW_TICKS == 0):
             self.refresh_views()
 
     def refresh_views(self) -> None:
+        self._last_redraw = time.monotonic()
         self.header.refresh()
         self.slots.refresh()
         self.kv.refresh()

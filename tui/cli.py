@@ -218,7 +218,8 @@ def cmd_sweep(args) -> int:
 def cmd_top(args) -> int:
     from batchtop.tui.app import BatchtopApp
     from batchtop.tui.remote_source import RemoteSource
-    BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url).run()
+    BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
+                refresh_s=args.refresh).run()
     return 0
 
 
@@ -253,6 +254,7 @@ def _add_server_commands(sub) -> None:
     top = sub.add_parser("top", help="the dashboard over a running `batchtop serve`")
     top.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     top.add_argument("--api-key", default=os.environ.get("BATCHTOP_API_KEY"))
+    _add_refresh_flag(top)
     top.set_defaults(func=cmd_top)
 
 
@@ -265,7 +267,25 @@ def _add_sampling_flags(parser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
 
 
-# -- dashboard and replay (owned by tui/; keep these three functions together) --------------------
+# -- dashboard and replay (owned by tui/; keep these functions together) --------------------------
+
+# The dashboard's redraw period over a live engine (like top's delay): drawing is the UI thread's
+# main cost and takes CPU and the GIL from the engine (docs/benchmarks.md, Dashboard overhead).
+LIVE_REFRESH_S = 0.5
+
+
+def _refresh_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 60 seconds, got {text}")
+    return value
+
+
+def _add_refresh_flag(parser) -> None:
+    parser.add_argument("--refresh", type=_refresh_seconds, default=LIVE_REFRESH_S, metavar="SECONDS",
+                        help=f"redraw at most this often while events flow (default {LIVE_REFRESH_S}; "
+                             "keys redraw at once)")
+
 
 def add_dashboard_commands(sub) -> None:
     dash = sub.add_parser("dashboard", help="the live dashboard over the embedded engine and its load generator")
@@ -278,6 +298,7 @@ def add_dashboard_commands(sub) -> None:
     load.add_argument("--output-mean", type=float, default=64.0)
     load.add_argument("--seed", type=int, default=0)
     dash.add_argument("--record", metavar="LOG", help="record every event to this JSONL log from the start")
+    _add_refresh_flag(dash)
     dash.set_defaults(func=cmd_dashboard)
     replay = sub.add_parser("replay", help="the dashboard over a recorded event log")
     replay.add_argument("log", help="a JSONL event log (batchtop --record, or r in the dashboard)")
@@ -294,7 +315,8 @@ def cmd_dashboard(args) -> int:
     def build():
         return EngineSource.create(config, load_rate=args.rate, length_dist=args.length_dist,
                                    prompt_mean=args.prompt_mean, output_mean=args.output_mean, seed=args.seed)
-    BatchtopApp(source_factory=build, loading_what=f"model {args.model}", record_path=args.record).run()
+    BatchtopApp(source_factory=build, loading_what=f"model {args.model}", record_path=args.record,
+                refresh_s=args.refresh).run()
     return 0
 
 
