@@ -5,6 +5,7 @@ log, the retired requests, the histories and the table never grow past their cap
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -69,3 +70,28 @@ def test_live_requests_are_capped_when_the_queue_runs_away():
     m.feed([RequestArrived(0, float(i), f"q{i}", 8, 8, 0) for i in range(model_module.MAX_LIVE_REQUESTS + 500)])
     assert len(m.live) == model_module.MAX_LIVE_REQUESTS
     assert "q0" not in m.live and f"q{model_module.MAX_LIVE_REQUESTS + 499}" in m.live
+
+
+def shown_step(app) -> int:
+    return int(re.search(r"\bstep (\d+)", screen_text(app)).group(1))
+
+
+@pytest.mark.asyncio
+async def test_redraws_wait_for_the_refresh_period_but_keys_redraw_at_once():
+    source = FeedSource(knobs={"max_num_seqs": 8, "block_size": 16}, meta={"model": "synthetic"}, clock=lambda: 1000.0)
+    app = BatchtopApp(source, tick_s=None, refresh_s=3600)
+    steps = busy_stream(8, 100, 1)
+    async with app.run_test(size=(120, 40)) as pilot:
+        source.push(next(steps))
+        app.tick()
+        await pilot.pause()
+        assert shown_step(app) == 1                     # the first events draw at once
+        for _ in range(5):
+            source.push(next(steps))
+        app.tick()
+        await pilot.pause()
+        assert app.model.finished_step == 6             # folded into the model ...
+        assert shown_step(app) == 1                     # ... but not drawn inside the refresh period
+        await pilot.press("1")
+        await pilot.pause()
+        assert shown_step(app) == 6                     # a key draws at once
