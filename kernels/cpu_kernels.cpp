@@ -248,10 +248,13 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     return out;
 }
 
+// The GIL is released while a kernel runs, as torch's own ops do, so the engine thread's compute
+// does not stall the server's or the dashboard's Python.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("paged_decode", &paged_decode);
-    m.def("packed_linear", &packed_linear);
-    m.def("add_rms_norm", &add_rms_norm);
-    m.def("rope_and_cache", &rope_and_cache);
-    m.def("silu_mul", &silu_mul);
+    using no_gil = py::call_guard<py::gil_scoped_release>;
+    m.def("paged_decode", &paged_decode, no_gil());
+    m.def("packed_linear", &packed_linear, no_gil());
+    m.def("add_rms_norm", &add_rms_norm, no_gil());
+    m.def("rope_and_cache", &rope_and_cache, no_gil());
+    m.def("silu_mul", &silu_mul, no_gil());
 }

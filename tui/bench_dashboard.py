@@ -122,6 +122,8 @@ def main(argv=None) -> int:
              "| listeners | wall s | out tok/s | throughput kept |", "|---|---:|---:|---:|"]
     for name, seconds in best.items():
         lines.append(f"| {name} | {seconds:.2f} | {useful / seconds:.1f} | {base / seconds:.1%} |")
+    lines += ["", "The run-to-run noise of this VM is several percent either way (the same configuration "
+              "alternated differs by up to ~10%), so only a drop beyond that is a cost."]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
