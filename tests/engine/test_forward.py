@@ -91,3 +91,30 @@ def test_other_architectures_run_transformers_forward_with_paged_attention():
             torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=0.5)
     runner = assert_matches_transformers(model)
     assert runner.flat_forward is None
+
+
+def small_llama(**overrides):
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False, **overrides)
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        model = transformers.LlamaForCausalLM(config).eval()
+        for module in model.modules():               # non-zero biases, so a dropped bias would show
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                torch.nn.init.normal_(module.bias, std=0.5)
+    return model
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ build")
+def test_fused_forward_adds_every_projection_bias(monkeypatch):
+    fresh_forwards(monkeypatch)
+    runner = assert_matches_transformers(small_llama(attention_bias=True, mlp_bias=True))
+    assert isinstance(runner.flat_forward.ops, FusedCpuOps)
+    assert runner.flat_forward.layers[0][1].bias is not None
+
+
+def test_another_activation_runs_on_transformers_modules(monkeypatch):
+    fresh_forwards(monkeypatch)
+    runner = assert_matches_transformers(small_llama(hidden_act="gelu_pytorch_tanh"))
+    assert type(runner.flat_forward.ops) is TransformersOps
