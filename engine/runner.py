@@ -147,8 +147,9 @@ class Runner:
     def _attention(self, inputs: StepInputs):
         """The step's attention over K/V already in the caches, `attend(layer_index, query, scale)`."""
         caches = self.kv_caches
-        if self.decode_kernel and len(inputs.input_ids) == len(inputs.seq_lens):
-            # every row decodes one token: straight to the CPU decode kernel, no metadata to build
+        if (self.decode_kernel and len(inputs.input_ids) == len(inputs.seq_lens)
+                and kernels.resolve_backend(inputs.block_table.device) == "torch"):
+            # every row decodes one token: straight to the torch path's CPU decode kernel, no metadata to build
             return lambda index, query, scale: cpu.paged_decode(query, *caches[index], inputs.block_table,
                                                                 inputs.seq_lens, scale)
         metadata = kernels.build_attention_metadata(
