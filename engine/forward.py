@@ -6,7 +6,7 @@ in the decoder's order. What it adds is speed at the few rows of a decode step, 
 transformers' per-layer Python and small ops and MKL's small-M sgemm cost more than streaming the
 weights: q/k/v and gate/up run as one GEMM each, every projection goes through the CPU kernel's
 packed weights, and each layer's elementwise steps are one fused call each (kernels/cpu.py).
-Without the C++ build, or off fp32, the same loop runs on transformers' modules op by op
+Without the C++ build, off the CPU or off fp32, the same loop runs on transformers' modules op by op
 (`TransformersOps`) and one `F.linear` per fused weight. Other architectures run through
 transformers' forward with the attention registered by name (runner.py).
 """
@@ -95,7 +95,8 @@ class FlatForward:
         self.model = model.model
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        fused = (model.dtype == torch.float32 and config.hidden_act == "silu" and cpu.available())
+        fused = (model.device.type == "cpu" and model.dtype == torch.float32 and config.hidden_act == "silu"
+                 and cpu.available())
         ops = FusedCpuOps if fused else TransformersOps
         self.ops = ops(config.num_attention_heads, config.num_key_value_heads, head_dim)
         self.layers = []
