@@ -20,6 +20,7 @@ BATCHTOP_CPU_KERNEL=0), and callers use torch instead.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+EXTENSION = "batchtop_cpu_kernels"
 PANEL = 48                     # output columns per packed panel; the kernel's micro-tile width
 
 _lock = threading.Lock()
@@ -42,13 +44,25 @@ def _load():
         if _module is None and _failed is None:
             try:
                 from torch.utils.cpp_extension import load
+                _say_when_building()
                 _module = load(
-                    name="batchtop_cpu_kernels", sources=[str(SOURCE)],
+                    name=EXTENSION, sources=[str(SOURCE)],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=bool(os.environ.get("BATCHTOP_VERBOSE_BUILD")))
             except Exception as error:          # no compiler, no headers: the torch paths serve
                 _failed = f"{type(error).__name__}: {error}"
     return _module
+
+
+def _say_when_building() -> None:
+    """One line on stderr before a first build, which takes about a minute (like the model's first conversion)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        built = Path(_get_build_directory(EXTENSION, verbose=False)) / f"{EXTENSION}.so"
+    except Exception:              # a private helper of torch's: say nothing rather than guess
+        return
+    if not built.exists():
+        print("batchtop: compiling the C++ CPU kernels (once per machine, about a minute)...", file=sys.stderr)
 
 
 def available() -> bool:
