@@ -3,6 +3,10 @@
 #include <cmath>
 #include <vector>
 
+static inline void prefetch_floats(const float* p, int64_t n) {
+    for (int64_t f = 0; f < n; f += 16) __builtin_prefetch(p + f);      // one 64-byte line per 16 floats
+}
+
 // out[r, h*G + g, :] = softmax(q[r, h*G + g] . K[r, :, h]) V[r, :, h] over the row's seq_len positions,
 // K/V read through block_table from caches laid out [num_blocks, block_size, Hkv, D]. q may have a
 // row stride (a view into the fused q/k/v projection); its heads and head dims are contiguous.
@@ -45,8 +49,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                 const int64_t next = start + BS < len ? bt[r * MB + start / BS + 1] * BS * position_floats : -1;
                 // scores of the block's positions for every query head (head q uses KV head q / G)
                 for (int64_t j = 0; j < n; ++j) {
-                    if (next >= 0)
-                        for (int64_t f = 0; f < position_floats; f += 16) __builtin_prefetch(kp + next + j * position_floats + f);
+                    if (next >= 0) prefetch_floats(kp + next + j * position_floats, position_floats);
                     for (int64_t h = h0; h < h1; ++h) {
                         const float* k = kb + (j * Hkv + h) * D;
                         for (int64_t g = 0; g < G; ++g) {
@@ -74,8 +77,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                     for (int64_t d = 0; d < D; ++d) a[d] *= correction;
                 }
                 for (int64_t j = 0; j < n; ++j) {
-                    if (next >= 0)
-                        for (int64_t f = 0; f < position_floats; f += 16) __builtin_prefetch(vp + next + j * position_floats + f);
+                    if (next >= 0) prefetch_floats(vp + next + j * position_floats, position_floats);
                     for (int64_t h = h0; h < h1; ++h) {
                         const float* v = vb + (j * Hkv + h) * D;
                         for (int64_t g = 0; g < G; ++g) {
