@@ -130,5 +130,6 @@ def main(argv=None) -> int:
         write_section(text, SECTION)
     return 0
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
