@@ -8,6 +8,12 @@ batchtop (continuous), transformers `generate` one request at a time, `generate`
 left-padded static batches of 16, and transformers' own continuous batching. Also: the
 trace's compute floor (its matmul FLOPs over the best fp32 GEMM rate measured here, MKL's or
 the engine's own kernel's), and the decode step time at 1..256 rows against the weight-streaming floor.
+
+    python -m batchtop.engine.bench_engine --device cuda --dtype bfloat16 --random-weights
+
+runs the same contenders on a GPU (its own section, without the CPU floors); --random-weights
+builds SmolLM2's architecture with seeded random weights for a machine that has the tokenizer
+in the cache but not the weights (the same work per token; the text is meaningless).
 """
 from __future__ import annotations
 
@@ -24,11 +30,12 @@ from batchtop.kernels import cpu
 
 from .config import EngineConfig
 from .engine import Engine
-from .model import load_model
+from .model import LoadedModel, load_model, smollm2_folder
 from .sampling import SamplingParams
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 SECTION = "## Engine: batchtop vs transformers"
+CUDA_SECTION = "## Engine on CUDA: batchtop vs transformers"
 
 
 def make_trace(seed: int = 0, num_requests: int = 64, vocab=(1000, 30000)):
@@ -89,6 +96,23 @@ def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return num_bytes / min(times)
 
 
+def random_smollm2(dtype: torch.dtype) -> LoadedModel:
+    """SmolLM2's architecture and tokenizer with seeded random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    folder = smollm2_folder(print)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    return LoadedModel("smollm2", model.eval(), AutoTokenizer.from_pretrained(folder))
+
+
+def _finish(model) -> float:
+    """perf_counter once the model's device has finished its queued work."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return time.perf_counter()
+
+
 def run_batchtop(loaded, prompts, lengths, **config) -> float:
     engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
@@ -104,10 +128,11 @@ def run_batchtop(loaded, prompts, lengths, **config) -> float:
 def run_hf_serial(model, prompts, lengths) -> float:
     start = time.perf_counter()
     for ids, n in zip(prompts, lengths):
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = model.generate(torch.tensor([ids], device=model.device),
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
                              max_new_tokens=n, min_new_tokens=n, do_sample=False)
         assert out.shape[1] == len(ids) + n
-    return time.perf_counter() - start
+    return _finish(model) - start
 
 
 @torch.inference_mode()
@@ -118,12 +143,12 @@ def run_hf_static(model, pad_id, prompts, lengths, batch_size=16) -> tuple[float
     for i in range(0, len(prompts), batch_size):
         batch, ns = prompts[i:i + batch_size], lengths[i:i + batch_size]
         width = max(map(len, batch))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns),
                              do_sample=False, pad_token_id=pad_id)
         row_steps += len(batch) * (out.shape[1] - width)
-    return time.perf_counter() - start, sum(lengths) / row_steps
+    return _finish(model) - start, sum(lengths) / row_steps
 
 
 @torch.inference_mode()
@@ -168,9 +193,9 @@ def telemetry_overhead(loaded, prompts, lengths, rounds: int = 3, **config) -> t
     return best["off"], best["recorder"]
 
 
-def decode_step_times(loaded, rows_list=(1, 4, 16, 64, 256), context=128, steps=8) -> dict[int, float]:
+def decode_step_times(loaded, rows_list=(1, 4, 16, 64, 256), context=128, steps=8, **config) -> dict[int, float]:
     engine = Engine(EngineConfig(model=loaded.name, max_num_seqs=max(rows_list), max_num_batched_tokens=8192,
-                                 kv_cache_mb=4096), loaded=loaded)
+                                 kv_cache_mb=4096, **config), loaded=loaded)
     times = {}
     for rows in rows_list:
         ids = [engine.add_request([1000 + i] * context, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
@@ -195,24 +220,34 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-serial", action="store_true", help="skip the slowest contender (~4 min)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--telemetry", action="store_true", help="only the telemetry-overhead comparison")
+    parser.add_argument("--device", default="cpu", help="cpu (default), or cuda: its own section, no CPU floors")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--random-weights", action="store_true",
+                        help="SmolLM2's architecture with seeded random weights (needs only its tokenizer)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.telemetry:
         return telemetry_main(args)
-    loaded = load_model("smollm2")
-    reference = load_model("smollm2")           # plain transformers attention for the baselines
+    dtype = getattr(torch, args.dtype)
+    load = (lambda: random_smollm2(dtype)) if args.random_weights else (lambda: load_model("smollm2", dtype))
+    loaded = load()
+    reference = load()                          # plain transformers attention for the baselines
+    reference.model.to(args.device)
+    engine_config = dict(device=args.device, dtype=args.dtype)
     prompts, lengths = make_trace()
     useful = sum(lengths)
-    per_layer, per_head = linear_flops_per_token(loaded.model)
-    flops = sum(len(p) for p in prompts) * per_layer + useful * (per_layer + per_head)
-    gemm = best_gemm_rate(loaded.model)
-    floor_s = flops / gemm
-    print(f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {useful} output tokens; "
-          f"{flops / 1e12:.2f} TFLOP; best GEMM {gemm / 1e9:.0f} GFLOP/s -> floor {floor_s:.1f} s", flush=True)
+    on_cpu = args.device == "cpu"
+    if on_cpu:
+        per_layer, per_head = linear_flops_per_token(loaded.model)
+        flops = sum(len(p) for p in prompts) * per_layer + useful * (per_layer + per_head)
+        gemm = best_gemm_rate(loaded.model)
+        floor_s = flops / gemm
+        print(f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {useful} output tokens; "
+              f"{flops / 1e12:.2f} TFLOP; best GEMM {gemm / 1e9:.0f} GFLOP/s -> floor {floor_s:.1f} s", flush=True)
 
     results = {}
     results["batchtop (continuous)"] = run_batchtop(loaded, prompts, lengths, max_num_seqs=64,
-                                                    max_num_batched_tokens=args.max_num_batched_tokens)
+                                                    max_num_batched_tokens=args.max_num_batched_tokens, **engine_config)
     print(f"batchtop {results['batchtop (continuous)']:.1f} s", flush=True)
     results["transformers continuous batching"] = run_hf_continuous(reference.model, prompts, lengths)
     print(f"hf continuous {results['transformers continuous batching']:.1f} s", flush=True)
@@ -223,12 +258,18 @@ def main(argv=None) -> int:
         results["transformers serial"] = run_hf_serial(reference.model, prompts, lengths)
         print(f"hf serial {results['transformers serial']:.1f} s", flush=True)
 
-    steps = decode_step_times(loaded)
+    steps = decode_step_times(loaded, **engine_config)
+    ours = results["batchtop (continuous)"]
+    if not on_cpu:
+        text = cuda_section(args, torch.cuda.get_device_name(args.device), prompts, lengths, results, static_util, steps)
+        print(text)
+        if not args.no_write:
+            write_section(text, CUDA_SECTION)
+        return 0
     param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     bandwidth = read_bandwidth()
     stream_floor = param_bytes / bandwidth
 
-    ours = results["batchtop (continuous)"]
     lines = [SECTION, "",
              f"`make bench-engine` (python -m batchtop.engine.bench_engine), SmolLM2-135M fp32, "
              f"{args.threads} threads, measured {time.strftime('%Y-%m-%d')}.",
@@ -259,6 +300,25 @@ def main(argv=None) -> int:
     if not args.no_write:
         write_section(text)
     return 0
+
+
+def cuda_section(args, device_name, prompts, lengths, results, static_util, steps) -> str:
+    useful, ours = sum(lengths), results["batchtop (continuous)"]
+    weights = "seeded random weights" if args.random_weights else "its weights"
+    command = " ".join(["python -m batchtop.engine.bench_engine", f"--device {args.device}", f"--dtype {args.dtype}"]
+                       + (["--random-weights"] if args.random_weights else []) + (["--skip-serial"] if args.skip_serial else []))
+    lines = [CUDA_SECTION, "",
+             f"`{command}`, SmolLM2-135M's architecture with {weights}, {args.dtype}, on one {device_name}, "
+             f"measured {time.strftime('%Y-%m-%d')}. The same trace as above: {len(prompts)} requests, "
+             f"{sum(map(len, prompts))} prompt and {useful} output tokens.", "",
+             "| contender | wall s | useful out tok/s | batchtop is x faster |", "|---|---:|---:|---:|"]
+    for name, seconds in results.items():
+        lines.append(f"| {name} | {seconds:.2f} | {useful / seconds:.1f} | {seconds / ours:.2f} |")
+    lines += ["", f"Static batches of 16: utilisation {static_util:.3f}.", "",
+              "| decode rows | step ms | ms per row |", "|---:|---:|---:|"]
+    for rows, seconds in steps.items():
+        lines.append(f"| {rows} | {seconds * 1e3:.2f} | {seconds * 1e3 / rows:.3f} |")
+    return "\n".join(lines + [""])
 
 
 def telemetry_main(args) -> int:

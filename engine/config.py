@@ -1,6 +1,7 @@
 """Engine configuration: one frozen dataclass, validated when built."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 BATCHING_MODES = ("continuous", "static", "dynamic")
@@ -30,6 +31,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     batch_capacity: int = 256                 # persistent-batch rows; the ceiling for max_num_seqs
     num_threads: int | None = None
+    device: str = "cpu"                       # cpu, cuda or cuda:N (the Triton kernels serve attention there)
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1, self.batch_capacity)
@@ -48,6 +50,8 @@ class EngineConfig:
         check_choice("layout", self.layout, ("condense", "indexmap", "gather"))
         check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
 
 def check_int(name: str, value, low: int, high: int) -> int:

@@ -54,7 +54,12 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         kernels.select_backend(config.attention_backend)
         dtype = getattr(torch, config.dtype)
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device} is not available: this torch sees no CUDA device")
         self.loaded = loaded or load_model(config.model, dtype)
+        if self.loaded.model.device != device:
+            self.loaded.model.to(device)          # moves the caller's model too: one copy of the weights
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.model.config
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)

@@ -93,6 +93,7 @@ class FlatForward:
 
     def __init__(self, model):
         self.model = model.model
+        self.placement = (model.device, model.dtype)      # what the fused weights below were made for
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         fused = (model.device.type == "cpu" and model.dtype == torch.float32 and config.hidden_act == "silu"

@@ -53,8 +53,7 @@ def cache_dir() -> Path:
 def load_model(name: str, dtype: torch.dtype = torch.float32, log=None) -> LoadedModel:
     log = log or (lambda msg: print(msg, file=sys.stderr))
     if name == "smollm2":
-        folder = _cached_gguf(_smollm2_gguf(), "smollm2", log)
-        model, tokenizer = _load_folder(folder, dtype)
+        model, tokenizer = _load_folder(smollm2_folder(log), dtype)
     elif name == "tiny":
         model, tokenizer = _tiny_model(dtype, log)
     elif name.endswith(".gguf") and os.path.isfile(name):
@@ -70,6 +69,12 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, log=None) -> Loade
                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     model.eval()
     return LoadedModel(name, model, tokenizer)
+
+
+def smollm2_folder(log) -> Path:
+    """The converted default model in the user cache; the GGUF is needed only to fill the cache."""
+    folder = cache_dir() / "smollm2"
+    return folder if (folder / "config.json").is_file() else _cached_gguf(_smollm2_gguf(), "smollm2", log)
 
 
 def _smollm2_gguf() -> Path:
@@ -111,7 +116,7 @@ def _cached_gguf(gguf: Path, key: str, log) -> Path:
 
 
 def _tiny_model(dtype: torch.dtype, log):
-    tokenizer = transformers.AutoTokenizer.from_pretrained(_cached_gguf(_smollm2_gguf(), "smollm2", log))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_folder(log))
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,

@@ -81,24 +81,32 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameters
 _flat_forwards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its packed FlatForward
 
 
+def _flat_forward(model) -> FlatForward:
+    """The model's FlatForward, built once per model (packing copies the weights) and again if it moved."""
+    flat = _flat_forwards.get(model)
+    if flat is None or flat.placement != (model.device, model.dtype):
+        flat = _flat_forwards[model] = FlatForward(model)
+    return flat
+
+
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype):
         _keep_freed_memory_in_the_heap()
         self.model = model
+        self.device = model.device
         self.block_size = block_size
         config = model.config
         # build the CPU kernels now (once per machine), not mid-step
-        self.decode_kernel = dtype == torch.float32 and cpu.available()
+        self.decode_kernel = self.device.type == "cpu" and dtype == torch.float32 and cpu.available()
         if supports(model):
-            if model not in _flat_forwards:       # packing takes a copy of the weights: once per model
-                _flat_forwards[model] = FlatForward(model)
-            self.flat_forward = _flat_forwards[model]
+            self.flat_forward = _flat_forward(model)
         else:
             self.flat_forward = None
             model.set_attn_implementation(ATTENTION_NAME)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device))
                           for _ in range(config.num_hidden_layers)]
 
     @staticmethod
@@ -124,15 +132,10 @@ class Runner:
         step_block_table = block_table[slots, :max_blocks]
         slot_mapping = (block_table[token_slots, positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
-        return StepInputs(
-            input_ids=torch.from_numpy(token_ids[token_slots, positions].astype(np.int64)),
-            positions=torch.from_numpy(positions),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            block_table=torch.from_numpy(np.ascontiguousarray(step_block_table)),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1),
-        )
+        arrays = (token_ids[token_slots, positions].astype(np.int64), positions, query_start_loc.astype(np.int32),
+                  seq_lens.astype(np.int32), np.ascontiguousarray(step_block_table), slot_mapping,
+                  query_start_loc[1:][samples] - 1)
+        return StepInputs(*(torch.from_numpy(a).to(self.device) for a in arrays))
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:

@@ -38,6 +38,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
 
 
 def engine_config(args):
@@ -49,7 +50,7 @@ def engine_config(args):
         num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb, policy=args.policy,
         preemption_mode=args.preemption_mode, batching_mode=args.batching_mode,
         static_batch_size=args.static_batch_size, layout=args.layout,
-        attention_backend=args.attention_backend, num_threads=args.threads,
+        attention_backend=args.attention_backend, num_threads=args.threads, device=args.device,
         batch_capacity=max(256, args.max_num_seqs),
     )
 

@@ -28,7 +28,8 @@ def hf_greedy(model, prompts_ids, max_new_tokens):
     outputs = []
     with torch.inference_mode():
         for ids in prompts_ids:
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            out = model.generate(torch.tensor([ids], device=model.device),
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
                                  max_new_tokens=max_new_tokens, do_sample=False)
             outputs.append(out[0, len(ids):].tolist())
     return outputs

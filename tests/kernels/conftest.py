@@ -9,8 +9,8 @@ import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")      # a GPU run sets 0 (test_attention_cuda.py)
 
 _triton_module = sys.modules.get("batchtop.kernels.attention_triton")
-if _triton_module is not None and not _triton_module.INTERPRET:
+if _triton_module is not None and _triton_module.INTERPRET != (os.environ["TRITON_INTERPRET"] == "1"):
     importlib.reload(_triton_module)

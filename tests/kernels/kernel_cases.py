@@ -37,6 +37,14 @@ class PagedCase:
     def step_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         return self.query_start_loc, self.seq_lens, self.block_table, self.block_size
 
+    def to(self, device) -> PagedCase:
+        """The step's tensors on `device`; the dense truth (keys, values) stays where it was."""
+        moved = {name: getattr(self, name).to(device) for name in (
+            "query", "key", "value", "k_cache", "v_cache", "slot_mapping", "query_start_loc", "seq_lens",
+            "block_table")}
+        return PagedCase(**moved, block_size=self.block_size, keys=self.keys, values=self.values,
+                         query_lens=self.query_lens)
+
 
 def make_case(
     seq_lens: list[int],
