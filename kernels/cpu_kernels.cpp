@@ -1,5 +1,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -107,17 +108,25 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // reads the panel once and each x row's k-th value as a broadcast. Panels go to threads; the
 // panel stays in L2 while the tiles of further rows reuse it. The software prefetch runs a
 // fixed distance ahead of the panel stream: without it the tile waits on memory at every k
-// (measured here: 8 rows 2x slower, see docs/kernels.md).
+// (measured here: 8 rows 2x slower, see docs/kernels.md). The tiles after a panel's first
+// compute from L2 and leave memory idle, so they also fetch the thread's next panel into L2,
+// a share of its lines each (32 rows: 45 -> 36 ms over the model's weights, see docs/kernels.md).
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t PANEL = 48;
 constexpr int64_t PREFETCH_K = 16;
 
+constexpr int64_t LINE_FLOATS = 16;
+
+// `ahead` / `ahead_lines`: cache lines to fetch into L2 while this tile runs (of the next panel)
 template <int ROWS>
 static void gemm_tile(const float* __restrict x, int64_t K, const float* __restrict panel,
-                             float* __restrict out, int64_t ldo, int64_t cols) {
+                      float* __restrict out, int64_t ldo, int64_t cols, const float* ahead, int64_t ahead_lines) {
     vec16 acc[ROWS][3];
     for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = acc[m][2] = vec16{};
+    const int64_t ahead_per_k = (ahead_lines + K - 1) / K;
     for (int64_t k = 0; k < K; ++k) {
+        for (int64_t i = k * ahead_per_k; i < std::min(ahead_lines, (k + 1) * ahead_per_k); ++i)
+            __builtin_prefetch(ahead + LINE_FLOATS * i, 0, 2);          // prefetcht1: into L2, not L1
         const float* w = panel + k * PANEL;
         __builtin_prefetch(w + PREFETCH_K * PANEL);
         __builtin_prefetch(w + PREFETCH_K * PANEL + 16);
@@ -140,7 +149,7 @@ static void gemm_tile(const float* __restrict x, int64_t K, const float* __restr
     }
 }
 
-typedef void (*tile_fn)(const float*, int64_t, const float*, float*, int64_t, int64_t);
+typedef void (*tile_fn)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*, int64_t);
 static const tile_fn TILES[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
                                  gemm_tile<5>, gemm_tile<6>, gemm_tile<7>, gemm_tile<8>};
 
@@ -154,10 +163,17 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
     const float* wp = panels.data_ptr<float>();
     float* op = out.data_ptr<float>();
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+        const int64_t tiles = (M + 7) / 8, panel_lines = K * PANEL / LINE_FLOATS;
+        const int64_t share = tiles > 1 ? (panel_lines + tiles - 2) / (tiles - 1) : 0;   // lines per later tile
         for (int64_t p = begin; p < end; ++p) {
             const int64_t cols = std::min(PANEL, N - p * PANEL);
-            for (int64_t m = 0; m < M; m += 8)
-                TILES[std::min<int64_t>(8, M - m)](xp + m * K, K, wp + p * K * PANEL, op + m * N + p * PANEL, N, cols);
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t first = (t - 1) * share;
+                const int64_t lines = t == 0 || p + 1 == end ? 0 : std::clamp(panel_lines - first, int64_t{0}, share);
+                const float* ahead = lines ? wp + (p + 1) * K * PANEL + LINE_FLOATS * first : nullptr;
+                TILES[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, wp + p * K * PANEL, op + 8 * t * N + p * PANEL,
+                                                       N, cols, ahead, lines);
+            }
         }
     });
     return out;
