@@ -106,15 +106,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // columns 48p .. 48p+47 (zero past N), one 192-byte run per k, so walking a panel is one
 // contiguous stream. A micro-tile is up to 8 rows x 48 columns held in 24 vector registers; it
 // reads the panel once and each x row's k-th value as a broadcast. Panels go to threads; the
-// panel stays in L2 while the tiles of further rows reuse it. The software prefetch runs a
-// fixed distance ahead of the panel stream: without it the tile waits on memory at every k
-// (measured here: 8 rows 2x slower, see docs/kernels.md). The tiles after a panel's first
+// panel stays in L2 while the tiles of further rows reuse it. Software prefetches run ahead of
+// the panel stream, far ahead into L2 and a little ahead from there into L1: without them the
+// tile waits on memory at every k (measured here: 8 rows 2x slower with none; 64 k into L2 and 8
+// into L1 beat 16 k into L1 alone by ~10% at 4-8 rows, see docs/kernels.md). The tiles after a panel's first
 // compute from L2 and leave memory idle, so they also fetch the thread's next panel into L2,
 // a share of its lines each (32 rows: 45 -> 36 ms over the model's weights, see docs/kernels.md).
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t PANEL = 48;
-constexpr int64_t PREFETCH_K = 16;
-
+constexpr int64_t PREFETCH_L2_K = 64, PREFETCH_L1_K = 8;     // how many k ahead of the tile each prefetch runs
 constexpr int64_t LINE_FLOATS = 16;
 
 // `ahead` / `ahead_lines`: cache lines to fetch into L2 while this tile runs (of the next panel)
@@ -128,9 +128,10 @@ static void gemm_tile(const float* __restrict x, int64_t K, const float* __restr
         for (int64_t i = k * ahead_per_k; i < std::min(ahead_lines, (k + 1) * ahead_per_k); ++i)
             __builtin_prefetch(ahead + LINE_FLOATS * i, 0, 2);          // prefetcht1: into L2, not L1
         const float* w = panel + k * PANEL;
-        __builtin_prefetch(w + PREFETCH_K * PANEL);
-        __builtin_prefetch(w + PREFETCH_K * PANEL + 16);
-        __builtin_prefetch(w + PREFETCH_K * PANEL + 32);
+        for (int64_t j = 0; j < PANEL; j += LINE_FLOATS) {
+            __builtin_prefetch(w + PREFETCH_L2_K * PANEL + j, 0, 2);   // prefetcht1: far ahead, into L2
+            __builtin_prefetch(w + PREFETCH_L1_K * PANEL + j);         // prefetcht0: from L2 into L1
+        }
         const vec16 w0 = *(const vec16*)w, w1 = *(const vec16*)(w + 16), w2 = *(const vec16*)(w + 32);
         #pragma GCC unroll 8
         for (int m = 0; m < ROWS; ++m) {
