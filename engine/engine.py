@@ -373,12 +373,16 @@ class Engine:
 
     def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, chat: bool = False) -> list[Completion]:
-        """Run every prompt through the engine at once; completions in prompt order."""
+        """Run every prompt through the engine at once; completions in prompt order. The requests are
+        released once read, so an engine that serves many `generate` calls does not keep them all."""
         params = sampling if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, s, chat=chat) for p, s in zip(prompts, params)]
         while any(not self.requests[i].finished for i in ids):
             self.step()
-        return [self.completion(i) for i in ids]
+        completions = [self.completion(i) for i in ids]
+        for request_id in ids:
+            self.release(request_id)
+        return completions
 
     def completion(self, request_id: str) -> Completion:
         r = self.requests[request_id]

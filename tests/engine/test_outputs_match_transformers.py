@@ -52,6 +52,7 @@ def run_engine(loaded, prompts, **config):
     engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded)
     completions = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert not engine.requests, "generate releases the requests it returned"
     return completions
 
 
