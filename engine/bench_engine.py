@@ -84,6 +84,11 @@ def roofline_floor(prompts, lengths, per_layer: float, per_head: float, gemm: fl
     return prefill + decode
 
 
+def machine_rates(model) -> tuple[float, float]:
+    """(best GEMM FLOP/s, read bytes/s) at this moment."""
+    return best_gemm_rate(model), read_bandwidth()
+
+
 def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s of streaming a tensor larger than the caches (a sum reads every byte once)."""
     x = torch.ones(num_bytes // 4)
@@ -240,16 +245,18 @@ def main(argv=None) -> int:
     if on_cpu:
         per_layer, per_head = linear_flops_per_token(loaded.model)
         flops = sum(len(p) for p in prompts) * per_layer + useful * (per_layer + per_head)
-        gemm = best_gemm_rate(loaded.model)
-        floor_s = flops / gemm
+        # the machine's rates, sampled before, between and after the contenders: this VM drifts by tens of
+        # percent from minute to minute, and a floor measured in a slow minute would flatter the fraction
+        rates = [machine_rates(loaded.model)]
         print(f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {useful} output tokens; "
-              f"{flops / 1e12:.2f} TFLOP; best GEMM {gemm / 1e9:.0f} GFLOP/s -> floor {floor_s:.1f} s", flush=True)
+              f"{flops / 1e12:.2f} TFLOP; best GEMM now {rates[0][0] / 1e9:.0f} GFLOP/s", flush=True)
 
-    bandwidths = [read_bandwidth()] if on_cpu else []    # sampled through the run: this VM's bandwidth drifts
     results = {}
     results["batchtop (continuous)"] = run_batchtop(loaded, prompts, lengths, max_num_seqs=64,
                                                     max_num_batched_tokens=args.max_num_batched_tokens, **engine_config)
     print(f"batchtop {results['batchtop (continuous)']:.1f} s", flush=True)
+    if on_cpu:
+        rates.append(machine_rates(loaded.model))
     results["transformers continuous batching"] = run_hf_continuous(reference.model, prompts, lengths)
     print(f"hf continuous {results['transformers continuous batching']:.1f} s", flush=True)
     static_s, static_util = run_hf_static(reference.model, reference.tokenizer.pad_token_id or 0, prompts, lengths)
@@ -259,7 +266,6 @@ def main(argv=None) -> int:
         results["transformers serial"] = run_hf_serial(reference.model, prompts, lengths)
         print(f"hf serial {results['transformers serial']:.1f} s", flush=True)
 
-    bandwidths += [read_bandwidth()] if on_cpu else []
     steps = decode_step_times(loaded, **engine_config)
     ours = results["batchtop (continuous)"]
     if not on_cpu:
@@ -269,7 +275,9 @@ def main(argv=None) -> int:
             write_section(text, CUDA_SECTION)
         return 0
     param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    bandwidth = max(bandwidths + [read_bandwidth()])
+    rates.append(machine_rates(loaded.model))
+    gemm, bandwidth = (max(sample) for sample in zip(*rates))
+    floor_s = flops / gemm
     stream_floor = param_bytes / bandwidth
 
     lines = [SECTION, "",
@@ -284,14 +292,14 @@ def main(argv=None) -> int:
     lines += ["", f"Static batches of 16: utilisation {static_util:.3f} (useful row-steps / row-steps).",
               f"Compute floor: {flops / 1e12:.2f} TFLOP of matmuls ({per_layer / 1e6:.0f} MFLOP per prompt token, "
               f"{(per_layer + per_head) / 1e6:.0f} per generated token) at the best GEMM rate measured here "
-              f"({gemm / 1e9:.0f} GFLOP/s) = {floor_s:.1f} s, i.e. {useful / floor_s:.0f} useful tok/s; "
+              f"({gemm / 1e9:.0f} GFLOP/s, the best of three samples through the run) = {floor_s:.1f} s, i.e. {useful / floor_s:.0f} useful tok/s; "
               f"batchtop reaches {floor_s / ours:.0%} of it.", "",
               "| decode rows | step ms | ms per row |", "|---:|---:|---:|"]
     for rows, seconds in steps.items():
         lines.append(f"| {rows} | {seconds * 1e3:.1f} | {seconds * 1e3 / rows:.2f} |")
     roofline_s = roofline_floor(prompts, lengths, per_layer, per_head, gemm, stream_floor)
     lines += ["", f"Weight-streaming floor of one step: {param_bytes / 1e6:.0f} MB of parameters at "
-              f"{bandwidth / 1e9:.1f} GB/s read bandwidth (the best of three samples through the run) = "
+              f"{bandwidth / 1e9:.1f} GB/s read bandwidth (likewise the best of three samples) = "
               f"{stream_floor * 1e3:.1f} ms; the 1-row step takes "
               f"{steps[1] / stream_floor:.2f}x that.", "",
               f"Roofline floor of the trace: its prompts at the best GEMM rate, then one decode step per output "
