@@ -132,10 +132,19 @@ class Runner:
         step_block_table = block_table[slots, :max_blocks]
         slot_mapping = (block_table[token_slots, positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
-        arrays = (token_ids[token_slots, positions].astype(np.int64), positions, query_start_loc.astype(np.int32),
-                  seq_lens.astype(np.int32), np.ascontiguousarray(step_block_table), slot_mapping,
-                  query_start_loc[1:][samples] - 1)
-        return StepInputs(*(torch.from_numpy(a).to(self.device) for a in arrays))
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device)          # no copy on the CPU
+
+        return StepInputs(
+            input_ids=tensor(token_ids[token_slots, positions].astype(np.int64)),
+            positions=tensor(positions),
+            query_start_loc=tensor(query_start_loc.astype(np.int32)),
+            seq_lens=tensor(seq_lens.astype(np.int32)),
+            block_table=tensor(np.ascontiguousarray(step_block_table)),
+            slot_mapping=tensor(slot_mapping),
+            logits_indices=tensor(query_start_loc[1:][samples] - 1),
+        )
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
