@@ -12,7 +12,7 @@ from batchtop.engine.engine import Engine
 from batchtop.engine.model import load_model
 from batchtop.engine.sampling import SamplingParams
 from batchtop.kernels import attention_triton
-from test_outputs_match_transformers import hf_greedy
+from test_outputs_match_transformers import random_arrivals_match_generate
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytestmark = pytest.mark.timeout(600)
@@ -50,27 +50,11 @@ def triton_calls(monkeypatch):
 ], ids=["chunked-preempting", "roomy", "torch-attention"])
 def test_random_prompts_on_cuda_match_generate(config, triton_calls):
     assert not attention_triton.INTERPRET, "run with TRITON_INTERPRET=0"
-    rng = random.Random(11)
     loaded, reference = load_model("tiny"), load_model("tiny")
     reference.model.to("cuda")
     engine = Engine(EngineConfig(model="tiny", device="cuda", **config), loaded=loaded)
     assert loaded.model.device.type == "cuda" and engine.runner.kv_caches[0][0].device.type == "cuda"
-    vocab = loaded.model.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(56)]
-    max_tokens = [rng.randint(1, 20) for _ in prompts]
-    pending, ids = list(zip(prompts, max_tokens)), []
-    while pending or engine.has_unfinished():
-        for _ in range(rng.choice([0, 0, 1, 3])):
-            if pending:
-                prompt, n = pending.pop(0)
-                ids.append(engine.add_request(prompt, SamplingParams(max_tokens=n)))
-        engine.step()
-    preemptions = 0
-    for request_id, prompt, n in zip(ids, prompts, max_tokens):
-        completion = engine.completion(request_id)
-        preemptions += completion.num_preemptions
-        assert completion.token_ids == hf_greedy(reference.model, [prompt], n)[0]
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    preemptions = random_arrivals_match_generate(engine, reference.model, random.Random(11))
     if config.get("attention_backend") == "torch":      # the reference path on the GPU: gather + SDPA
         assert not triton_calls
     else:

@@ -72,16 +72,19 @@ def test_smollm2_matches_transformers_generate(smollm2, smollm2_reference, confi
 
 
 def test_tiny_random_prompts_arriving_at_random_steps_match_generate():
-    rng = random.Random(7)
-    loaded = load_model("tiny")
-    reference = load_model("tiny")
-    vocab = loaded.model.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(56)]
-    max_tokens = [rng.randint(1, 20) for _ in prompts]
+    loaded, reference = load_model("tiny"), load_model("tiny")
     engine = Engine(EngineConfig(model="tiny", max_num_seqs=8, max_num_batched_tokens=48,
                                  long_prefill_token_threshold=16, num_kv_blocks=20), loaded=loaded)
-    pending = list(zip(prompts, max_tokens))
-    ids = []
+    assert random_arrivals_match_generate(engine, reference.model, random.Random(7)) > 0
+
+
+def random_arrivals_match_generate(engine, reference_model, rng, num_prompts=56) -> int:
+    """Random prompts arrive at random steps until all are done; each output must equal transformers'
+    greedy generate and every block must come back. Returns the preemptions suffered."""
+    vocab = engine.loaded.model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(num_prompts)]
+    max_tokens = [rng.randint(1, 20) for _ in prompts]
+    pending, ids = list(zip(prompts, max_tokens)), []
     while pending or engine.has_unfinished():
         for _ in range(rng.choice([0, 0, 1, 3])):
             if pending:
@@ -93,6 +96,6 @@ def test_tiny_random_prompts_arriving_at_random_steps_match_generate():
     for request_id, prompt, n in zip(ids, prompts, max_tokens):
         completion = engine.completion(request_id)
         preemptions += completion.num_preemptions
-        assert completion.token_ids == hf_greedy(reference.model, [prompt], n)[0]
+        assert completion.token_ids == hf_greedy(reference_model, [prompt], n)[0]
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert preemptions > 0
+    return preemptions
