@@ -292,7 +292,8 @@ def main(argv=None) -> int:
     lines += ["", f"Static batches of 16: utilisation {static_util:.3f} (useful row-steps / row-steps).",
               f"Compute floor: {flops / 1e12:.2f} TFLOP of matmuls ({per_layer / 1e6:.0f} MFLOP per prompt token, "
               f"{(per_layer + per_head) / 1e6:.0f} per generated token) at the best GEMM rate measured here "
-              f"({gemm / 1e9:.0f} GFLOP/s, the best of three samples through the run) = {floor_s:.1f} s, i.e. {useful / floor_s:.0f} useful tok/s; "
+              f"({gemm / 1e9:.0f} GFLOP/s, the best of three samples through the run) = {floor_s:.1f} s, "
+              f"i.e. {useful / floor_s:.0f} useful tok/s; "
               f"batchtop reaches {floor_s / ours:.0%} of it.", "",
               "| decode rows | step ms | ms per row |", "|---:|---:|---:|"]
     for rows, seconds in steps.items():

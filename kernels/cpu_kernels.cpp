@@ -108,10 +108,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // reads the panel once and each x row's k-th value as a broadcast. Panels go to threads; the
 // panel stays in L2 while the tiles of further rows reuse it. Software prefetches run ahead of
 // the panel stream, far ahead into L2 and a little ahead from there into L1: without them the
-// tile waits on memory at every k (measured here: 8 rows 2x slower with none; 64 k into L2 and 8
-// into L1 beat 16 k into L1 alone by ~10% at 4-8 rows, see docs/kernels.md). The tiles after a panel's first
-// compute from L2 and leave memory idle, so they also fetch the thread's next panel into L2,
-// a share of its lines each (32 rows: 45 -> 36 ms over the model's weights, see docs/kernels.md).
+// tile waits on memory at every k (8 rows 2x slower with none; 64 k into L2 plus 8 into L1 beat
+// 16 k into L1 alone by ~10% at 4-8 rows). The tiles after a panel's first compute from L2 and
+// leave memory idle, so they also fetch the thread's next panel into L2, a share of its lines
+// each (32 rows: 45 -> 37 ms over the model's weights). Measurements: docs/kernels.md.
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t PANEL = 48;
 constexpr int64_t PREFETCH_L2_K = 64, PREFETCH_L1_K = 8;     // how many k ahead of the tile each prefetch runs

@@ -7,6 +7,7 @@ and the step's new tokens with their slot_mapping still to be written by the cod
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +40,9 @@ class PagedCase:
 
     def to(self, device) -> PagedCase:
         """The step's tensors on `device`; the dense truth (keys, values) stays where it was."""
-        moved = {name: getattr(self, name).to(device) for name in (
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in (
             "query", "key", "value", "k_cache", "v_cache", "slot_mapping", "query_start_loc", "seq_lens",
-            "block_table")}
-        return PagedCase(**moved, block_size=self.block_size, keys=self.keys, values=self.values,
-                         query_lens=self.query_lens)
+            "block_table")})
 
 
 def make_case(
