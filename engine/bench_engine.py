@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from batchtop.kernels import cpu
+from batchtop.telemetry import events as ev
 
 from .config import EngineConfig
 from .engine import Engine
@@ -73,15 +74,32 @@ def best_gemm_rate(model, rows=(64, 128, 256), repeats=20) -> float:
     return best
 
 
-def roofline_floor(prompts, lengths, per_layer: float, per_head: float, gemm: float, stream_s: float) -> float:
-    """Seconds for the trace if every step ran at its own bound: the prompts at the GEMM rate, then
-    decode step t with the rows whose output is longer than t, never under the streaming floor."""
+def roofline_floor(prompts, lengths, per_layer: float, per_head: float, gemm: float,
+                   stream_s: float) -> tuple[float, float]:
+    """Seconds for the trace if every step ran at its own bound: (the prompts at the GEMM rate,
+    then decode step t with the rows whose output is longer than t, never under the streaming floor)."""
     prefill = sum(map(len, prompts)) * per_layer / gemm
     decode = 0.0
     for t in range(1, max(lengths)):
         rows = sum(1 for n in lengths if n > t)
         decode += max(stream_s, rows * (per_layer + per_head) / gemm)
-    return prefill + decode
+    return prefill, decode
+
+
+def step_breakdown(loaded, prompts, lengths, **config) -> dict[str, tuple[int, float]]:
+    """Another batchtop run, its steps timed through the engine's StepFinished events:
+    {"prefill": (steps, seconds) of the steps that carry prompt tokens, "decode": the rest}."""
+    totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+
+    def sink(event):
+        if isinstance(event, ev.StepFinished):
+            kind = totals["prefill" if event.num_tokens > event.num_rows else "decode"]
+            kind[0] += 1
+            kind[1] += event.schedule_s + event.prepare_s + event.forward_s + event.sample_s + event.update_s
+
+    engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded, sink=sink)
+    engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    return {kind: (steps, seconds) for kind, (steps, seconds) in totals.items()}
 
 
 def machine_rates(model) -> tuple[float, float]:
@@ -267,6 +285,9 @@ def main(argv=None) -> int:
         print(f"hf serial {results['transformers serial']:.1f} s", flush=True)
 
     steps = decode_step_times(loaded, **engine_config)
+    if on_cpu:
+        breakdown = step_breakdown(loaded, prompts, lengths, max_num_seqs=64,
+                                   max_num_batched_tokens=args.max_num_batched_tokens, **engine_config)
     ours = results["batchtop (continuous)"]
     if not on_cpu:
         text = cuda_section(args, torch.cuda.get_device_name(args.device), prompts, lengths, results, static_util, steps)
@@ -298,7 +319,9 @@ def main(argv=None) -> int:
               "| decode rows | step ms | ms per row |", "|---:|---:|---:|"]
     for rows, seconds in steps.items():
         lines.append(f"| {rows} | {seconds * 1e3:.1f} | {seconds * 1e3 / rows:.2f} |")
-    roofline_s = roofline_floor(prompts, lengths, per_layer, per_head, gemm, stream_floor)
+    prefill_floor, decode_floor = roofline_floor(prompts, lengths, per_layer, per_head, gemm, stream_floor)
+    roofline_s = prefill_floor + decode_floor
+    (prefill_steps, prefill_s), (decode_steps, decode_s) = breakdown["prefill"], breakdown["decode"]
     lines += ["", f"Weight-streaming floor of one step: {param_bytes / 1e6:.0f} MB of parameters at "
               f"{bandwidth / 1e9:.1f} GB/s read bandwidth (likewise the best of three samples) = "
               f"{stream_floor * 1e3:.1f} ms; the 1-row step takes "
@@ -306,7 +329,12 @@ def main(argv=None) -> int:
               f"Roofline floor of the trace: its prompts at the best GEMM rate, then one decode step per output "
               f"position ({max(lengths)} steps, the rows still running), each at least the weight-streaming floor: "
               f"{roofline_s:.1f} s; batchtop reaches {roofline_s / ours:.0%} of it. (The compute floor above "
-              f"ignores that the trace's long tail of few-row steps is bound by streaming the weights.)", ""]
+              f"ignores that the trace's long tail of few-row steps is bound by streaming the weights.)", "",
+              f"Where the time goes (another batchtop run, {prefill_s + decode_s:.1f} s, its steps timed through the "
+              f"engine's StepFinished events): the {prefill_steps} steps that carry prompt tokens took "
+              f"{prefill_s:.1f} s against the prompts' {prefill_floor:.1f} s at the GEMM rate "
+              f"({prefill_floor / prefill_s:.0%}); the {decode_steps} decode-only steps {decode_s:.1f} s against "
+              f"the decode steps' roofline {decode_floor:.1f} s ({decode_floor / decode_s:.0%}).", ""]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
