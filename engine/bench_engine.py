@@ -312,19 +312,15 @@ def main(argv=None) -> int:
              f"{args.threads} threads, measured {time.strftime('%Y-%m-%d')}.",
              f"Trace: {len(prompts)} requests at once, prompts uniform 16..128 tokens "
              f"({sum(map(len, prompts))} in all), outputs exponential mean 64 clipped to [4, 256] "
-             f"({useful} in all), EOS ignored.", "",
-             "| contender | wall s | useful out tok/s | batchtop is x faster |", "|---|---:|---:|---:|"]
-    for name, seconds in results.items():
-        lines.append(f"| {name} | {seconds:.1f} | {useful / seconds:.1f} | {seconds / ours:.2f} |")
+             f"({useful} in all), EOS ignored.", ""]
+    lines += contender_table(results, useful, digits=1)
     lines += ["", bracket, f"Static batches of 16: utilisation {static_util:.3f} (useful row-steps / row-steps).",
               f"Compute floor: {flops / 1e12:.2f} TFLOP of matmuls ({per_layer / 1e6:.0f} MFLOP per prompt token, "
               f"{(per_layer + per_head) / 1e6:.0f} per generated token) at the best GEMM rate measured here "
               f"({gemm / 1e9:.0f} GFLOP/s, the best of three samples through the run) = {floor_s:.1f} s, "
               f"i.e. {useful / floor_s:.0f} useful tok/s; "
-              f"batchtop reaches {floor_s / ours:.0%} of it.", "",
-              "| decode rows | step ms | ms per row |", "|---:|---:|---:|"]
-    for rows, seconds in steps.items():
-        lines.append(f"| {rows} | {seconds * 1e3:.1f} | {seconds * 1e3 / rows:.2f} |")
+              f"batchtop reaches {floor_s / ours:.0%} of it.", ""]
+    lines += step_table(steps, digits=1)
     prefill_floor, decode_floor = roofline_floor(prompts, lengths, per_layer, per_head, gemm, stream_floor)
     roofline_s = prefill_floor + decode_floor
     (prefill_steps, prefill_s), (decode_steps, decode_s) = breakdown["prefill"], breakdown["decode"]
@@ -348,22 +344,31 @@ def main(argv=None) -> int:
     return 0
 
 
+def contender_table(results: dict[str, float], useful: int, digits: int) -> list[str]:
+    ours = results["batchtop (continuous)"]
+    return (["| contender | wall s | useful out tok/s | batchtop is x faster |", "|---|---:|---:|---:|"]
+            + [f"| {name} | {seconds:.{digits}f} | {useful / seconds:.1f} | {seconds / ours:.2f} |"
+               for name, seconds in results.items()])
+
+
+def step_table(steps: dict[int, float], digits: int) -> list[str]:
+    return (["| decode rows | step ms | ms per row |", "|---:|---:|---:|"]
+            + [f"| {rows} | {seconds * 1e3:.{digits}f} | {seconds * 1e3 / rows:.{digits + 1}f} |"
+               for rows, seconds in steps.items()])
+
+
 def cuda_section(args, device_name, prompts, lengths, results, static_util, steps, bracket: str) -> str:
-    useful, ours = sum(lengths), results["batchtop (continuous)"]
+    useful = sum(lengths)
     weights = "seeded random weights" if args.random_weights else "its weights"
     command = " ".join(["python -m batchtop.engine.bench_engine", f"--device {args.device}", f"--dtype {args.dtype}"]
                        + (["--random-weights"] if args.random_weights else []) + (["--skip-serial"] if args.skip_serial else []))
     lines = [CUDA_SECTION, "",
              f"`{command}`, SmolLM2-135M's architecture with {weights}, {args.dtype}, on one {device_name}, "
              f"measured {time.strftime('%Y-%m-%d')}. The same trace as above: {len(prompts)} requests, "
-             f"{sum(map(len, prompts))} prompt and {useful} output tokens.", "",
-             "| contender | wall s | useful out tok/s | batchtop is x faster |", "|---|---:|---:|---:|"]
-    for name, seconds in results.items():
-        lines.append(f"| {name} | {seconds:.2f} | {useful / seconds:.1f} | {seconds / ours:.2f} |")
-    lines += ["", bracket, f"Static batches of 16: utilisation {static_util:.3f}.", "",
-              "| decode rows | step ms | ms per row |", "|---:|---:|---:|"]
-    for rows, seconds in steps.items():
-        lines.append(f"| {rows} | {seconds * 1e3:.2f} | {seconds * 1e3 / rows:.3f} |")
+             f"{sum(map(len, prompts))} prompt and {useful} output tokens.", ""]
+    lines += contender_table(results, useful, digits=2)
+    lines += ["", bracket, f"Static batches of 16: utilisation {static_util:.3f}.", ""]
+    lines += step_table(steps, digits=2)
     return "\n".join(lines + [""])
 
 
