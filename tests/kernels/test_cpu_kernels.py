@@ -61,7 +61,9 @@ def test_decode_kernel_reads_a_query_with_a_row_stride():
                                cpu.paged_decode(query.contiguous(), k_cache, v_cache, block_table, seq_lens, 0.3))
 
 
-@pytest.mark.parametrize("out_features, in_features", [(960, 576), (48, 7), (50, 33), (1, 5), (97, 64), (3072, 576)])
+# (100, 4096): the kernel's row blocks are 64 rows at K=4096, so 130 rows are three blocks
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (48, 7), (50, 33), (1, 5), (97, 64), (3072, 576),
+                                                       (100, 4096)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 130])
 def test_packed_linear_matches_f_linear(rows, out_features, in_features):
     torch.manual_seed(rows * 1000 + out_features)
