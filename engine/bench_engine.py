@@ -74,32 +74,45 @@ def best_gemm_rate(model, rows=(64, 128, 256), repeats=20) -> float:
     return best
 
 
-def roofline_floor(prompts, lengths, per_layer: float, per_head: float, gemm: float,
-                   stream_s: float) -> tuple[float, float]:
-    """Seconds for the trace if every step ran at its own bound: (the prompts at the GEMM rate,
-    then decode step t with the rows whose output is longer than t, never under the streaming floor)."""
-    prefill = sum(map(len, prompts)) * per_layer / gemm
-    decode = 0.0
-    for t in range(1, max(lengths)):
-        rows = sum(1 for n in lengths if n > t)
-        decode += max(stream_s, rows * (per_layer + per_head) / gemm)
-    return prefill, decode
+def roofline_floor(prompts, lengths, per_layer: float, per_head: float, gemm: float, stream_s: float) -> float:
+    """Seconds for the trace if every step ran at its own bound: the prompts at the GEMM rate, then
+    decode step t with the rows whose output is longer than t, never under the streaming floor."""
+    decode = sum(max(stream_s, sum(1 for n in lengths if n > t) * (per_layer + per_head) / gemm)
+                 for t in range(1, max(lengths)))
+    return sum(map(len, prompts)) * per_layer / gemm + decode
 
 
-def step_breakdown(loaded, prompts, lengths, **config) -> dict[str, tuple[int, float]]:
+def step_records(loaded, prompts, lengths, **config) -> list[tuple[int, int, float]]:
     """Another batchtop run, its steps timed through the engine's StepFinished events:
-    {"prefill": (steps, seconds) of the steps that carry prompt tokens, "decode": the rest}."""
-    totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+    (tokens computed, rows sampled, seconds) of each step."""
+    records = []
 
     def sink(event):
         if isinstance(event, ev.StepFinished):
-            kind = totals["prefill" if event.num_tokens > event.num_rows else "decode"]
-            kind[0] += 1
-            kind[1] += event.schedule_s + event.prepare_s + event.forward_s + event.sample_s + event.update_s
+            records.append((event.num_tokens, len(event.sampled_request_ids), event.schedule_s + event.prepare_s
+                            + event.forward_s + event.sample_s + event.update_s))
 
     engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded, sink=sink)
     engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
-    return {kind: (steps, seconds) for kind, (steps, seconds) in totals.items()}
+    return records
+
+
+STEP_KINDS = ("carry prompt tokens", "decode 1-8 rows", "decode 9-16 rows", "decode 17-32 rows", "decode 33+ rows")
+
+
+def breakdown_table(records, per_layer: float, per_head: float, gemm: float, stream_s: float) -> list[str]:
+    """The steps by kind against their roofline: each step's matmul FLOPs (every token through the
+    layers, the sampled rows through the LM head) at the GEMM rate, never under the streaming floor."""
+    totals = {kind: [0, 0.0, 0.0] for kind in STEP_KINDS}
+    for tokens, rows, seconds in records:
+        kind = STEP_KINDS[0] if tokens > rows else STEP_KINDS[min(4, (rows > 8) + (rows > 16) + (rows > 32) + 1)]
+        total = totals[kind]
+        total[0] += 1
+        total[1] += seconds
+        total[2] += max(stream_s, (tokens * per_layer + rows * per_head) / gemm)
+    return (["| steps that | steps | seconds | their roofline s | reached |", "|---|---:|---:|---:|---:|"]
+            + [f"| {kind} | {n} | {seconds:.2f} | {roof:.2f} | {roof / seconds:.0%} |"
+               for kind, (n, seconds, roof) in totals.items() if n])
 
 
 def machine_rates(model) -> tuple[float, float]:
@@ -293,7 +306,7 @@ def main(argv=None) -> int:
 
     steps = decode_step_times(loaded, **engine_config)
     if on_cpu:
-        breakdown = step_breakdown(loaded, prompts, lengths, **batchtop_config)
+        records = step_records(loaded, prompts, lengths, **batchtop_config)
     if not on_cpu:
         text = cuda_section(args, torch.cuda.get_device_name(args.device), prompts, lengths, results, static_util,
                             steps, bracket)
@@ -321,9 +334,7 @@ def main(argv=None) -> int:
               f"i.e. {useful / floor_s:.0f} useful tok/s; "
               f"batchtop reaches {floor_s / ours:.0%} of it.", ""]
     lines += step_table(steps, digits=1)
-    prefill_floor, decode_floor = roofline_floor(prompts, lengths, per_layer, per_head, gemm, stream_floor)
-    roofline_s = prefill_floor + decode_floor
-    (prefill_steps, prefill_s), (decode_steps, decode_s) = breakdown["prefill"], breakdown["decode"]
+    roofline_s = roofline_floor(prompts, lengths, per_layer, per_head, gemm, stream_floor)
     lines += ["", f"Weight-streaming floor of one step: {param_bytes / 1e6:.0f} MB of parameters at "
               f"{bandwidth / 1e9:.1f} GB/s read bandwidth (likewise the best of three samples) = "
               f"{stream_floor * 1e3:.1f} ms; the 1-row step takes "
@@ -332,11 +343,10 @@ def main(argv=None) -> int:
               f"position ({max(lengths)} steps, the rows still running), each at least the weight-streaming floor: "
               f"{roofline_s:.1f} s; batchtop reaches {roofline_s / ours:.0%} of it. (The compute floor above "
               f"ignores that the trace's long tail of few-row steps is bound by streaming the weights.)", "",
-              f"Where the time goes (another batchtop run, {prefill_s + decode_s:.1f} s, its steps timed through the "
-              f"engine's StepFinished events): the {prefill_steps} steps that carry prompt tokens took "
-              f"{prefill_s:.1f} s against the prompts' {prefill_floor:.1f} s at the GEMM rate "
-              f"({prefill_floor / prefill_s:.0%}); the {decode_steps} decode-only steps {decode_s:.1f} s against "
-              f"the decode steps' roofline {decode_floor:.1f} s ({decode_floor / decode_s:.0%}).", ""]
+              f"Where the time goes: another batchtop run ({sum(r[2] for r in records):.1f} s), its "
+              f"{len(records)} steps timed through the engine's StepFinished events, each against its own roofline "
+              f"(its matmul FLOPs at the GEMM rate, at least the weight-streaming floor):", ""]
+    lines += breakdown_table(records, per_layer, per_head, gemm, stream_floor) + [""]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
