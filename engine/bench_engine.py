@@ -18,6 +18,7 @@ in the cache but not the weights (the same work per token; the text is meaningle
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
@@ -97,16 +98,16 @@ def step_records(loaded, prompts, lengths, **config) -> list[tuple[int, int, flo
     return records
 
 
-STEP_KINDS = ("carry prompt tokens", "decode 1-8 rows", "decode 9-16 rows", "decode 17-32 rows", "decode 33+ rows")
+PROMPT_STEPS = "carry prompt tokens"
+DECODE_STEPS = ((8, "decode 1-8 rows"), (16, "decode 9-16 rows"), (32, "decode 17-32 rows"), (math.inf, "decode 33+ rows"))
 
 
 def breakdown_table(records, per_layer: float, per_head: float, gemm: float, stream_s: float) -> list[str]:
     """The steps by kind against their roofline: each step's matmul FLOPs (every token through the
     layers, the sampled rows through the LM head) at the GEMM rate, never under the streaming floor."""
-    totals = {kind: [0, 0.0, 0.0] for kind in STEP_KINDS}
+    totals = {kind: [0, 0.0, 0.0] for kind in (PROMPT_STEPS, *(name for _, name in DECODE_STEPS))}
     for tokens, rows, seconds in records:
-        kind = STEP_KINDS[0] if tokens > rows else STEP_KINDS[min(4, (rows > 8) + (rows > 16) + (rows > 32) + 1)]
-        total = totals[kind]
+        total = totals[PROMPT_STEPS if tokens > rows else next(name for most, name in DECODE_STEPS if rows <= most)]
         total[0] += 1
         total[1] += seconds
         total[2] += max(stream_s, (tokens * per_layer + rows * per_head) / gemm)
