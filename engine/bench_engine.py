@@ -75,12 +75,21 @@ def best_gemm_rate(model, rows=(64, 128, 256), repeats=20) -> float:
     return best
 
 
+def step_roofline(tokens: int, rows: int, per_layer: float, per_head: float, gemm: float, stream_s: float) -> float:
+    """A step's bound: its matmul FLOPs (every token through the layers, the sampled rows through
+    the LM head) at the GEMM rate, never under the weight-streaming floor."""
+    return max(stream_s, (tokens * per_layer + rows * per_head) / gemm)
+
+
 def roofline_floor(prompts, lengths, per_layer: float, per_head: float, gemm: float, stream_s: float) -> float:
     """Seconds for the trace if every step ran at its own bound: the prompts at the GEMM rate, then
-    decode step t with the rows whose output is longer than t, never under the streaming floor."""
-    decode = sum(max(stream_s, sum(1 for n in lengths if n > t) * (per_layer + per_head) / gemm)
-                 for t in range(1, max(lengths)))
-    return sum(map(len, prompts)) * per_layer / gemm + decode
+    decode step t with the rows whose output is longer than t."""
+    prefill = sum(map(len, prompts)) * per_layer / gemm
+    decode = 0.0
+    for t in range(1, max(lengths)):
+        rows = sum(1 for n in lengths if n > t)
+        decode += step_roofline(rows, rows, per_layer, per_head, gemm, stream_s)
+    return prefill + decode
 
 
 def step_records(loaded, prompts, lengths, **config) -> list[tuple[int, int, float]]:
@@ -103,14 +112,13 @@ DECODE_STEPS = ((8, "decode 1-8 rows"), (16, "decode 9-16 rows"), (32, "decode 1
 
 
 def breakdown_table(records, per_layer: float, per_head: float, gemm: float, stream_s: float) -> list[str]:
-    """The steps by kind against their roofline: each step's matmul FLOPs (every token through the
-    layers, the sampled rows through the LM head) at the GEMM rate, never under the streaming floor."""
+    """The steps by kind, each against its own bound (`step_roofline`)."""
     totals = {kind: [0, 0.0, 0.0] for kind in (PROMPT_STEPS, *(name for _, name in DECODE_STEPS))}
     for tokens, rows, seconds in records:
         total = totals[PROMPT_STEPS if tokens > rows else next(name for most, name in DECODE_STEPS if rows <= most)]
         total[0] += 1
         total[1] += seconds
-        total[2] += max(stream_s, (tokens * per_layer + rows * per_head) / gemm)
+        total[2] += step_roofline(tokens, rows, per_layer, per_head, gemm, stream_s)
     return (["| steps that | steps | seconds | their roofline s | reached |", "|---|---:|---:|---:|---:|"]
             + [f"| {kind} | {n} | {seconds:.2f} | {roof:.2f} | {roof / seconds:.0%} |"
                for kind, (n, seconds, roof) in totals.items() if n])
