@@ -54,13 +54,15 @@ def linear_flops_per_token(model) -> tuple[int, int]:
 
 
 def best_gemm_rate(model, rows=(64, 128, 256), repeats=20) -> float:
-    """Best fp32 FLOP/s over the model's own weight shapes, of MKL (F.linear) and of the engine's
-    packed kernel (kernels/cpu.py), whichever is faster at each shape."""
+    """Best fp32 FLOP/s over the model's own weights, of MKL (F.linear) and of the engine's packed
+    kernel (kernels/cpu.py) on fp32 panels and, for a weight in block form, on its blocks:
+    whichever is fastest."""
     weights = {tuple(m.weight.shape): m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)}
     gemms = [F.linear]
     if cpu.available():
-        packed = {shape: cpu.pack_linear(weight) for shape, weight in weights.items()}
-        gemms.append(lambda x, weight: cpu.packed_linear(x, packed[tuple(weight.shape)], weight.shape[0]))
+        for blocks in (False, True):
+            packed = {shape: cpu.pack_linear(weight, blocks) for shape, weight in weights.items()}
+            gemms.append(lambda x, weight, packed=packed: cpu.packed_linear(x, packed[tuple(weight.shape)]))
     best = 0.0
     for m in rows:
         for weight in weights.values():

@@ -41,13 +41,13 @@ class FusedLinear:
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else weight.new_zeros(linear.out_features)
              for b, linear in zip(biases, linears)])
-        self.panels = cpu.pack_linear(weight) if packed else None
+        self.packed = cpu.pack_linear(weight) if packed else None
         self.weight = None if packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is None:
+        if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        out = cpu.packed_linear(x, self.panels, self.out_features)
+        out = cpu.packed_linear(x, self.packed)
         return out if self.bias is None else out.add_(self.bias)
 
 

@@ -8,7 +8,11 @@
 - `packed_linear`: `x @ W.T` over a weight packed once by `pack_linear` into 48-column panels.
   MKL's sgemm is poor at the few rows of a decode step (8 rows took 2x the time of 1 here,
   though both only stream the weights); this kernel streams each panel once for up to 8 rows
-  and matches MKL at thousands of rows, so one kernel serves every step.
+  and matches MKL at thousands of rows, so one kernel serves every step. A weight that is
+  exactly a dequantised GGUF Q4_1 / Q8_0 weight (the default model's) is packed as those blocks,
+  1.25 bytes a weight instead of 4, and decoded to the same fp32 values inside the kernel: the
+  arithmetic and the result are the fp32 ones, bit for bit, and the decode steps that stream the
+  weights read a third of the bytes.
 - `add_rms_norm`, `rope_and_cache`, `silu_mul`: a Llama layer's elementwise steps, one call each
   instead of transformers' several small ops each, which at a decode step's few rows cost more
   than the arithmetic (engine/forward.py).
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 EXTENSION = "batchtop_cpu_kernels"
 PANEL = 48                     # output columns per packed panel; the kernel's micro-tile width
+BLOCK = 32                     # k per scale and offset of a block-packed weight (GGUF's block size)
 
 _lock = threading.Lock()
 _module = None
@@ -80,16 +86,72 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                 seq_lens.to(torch.int32).contiguous(), float(scale))
 
 
-def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """`[N, K]` -> panels `[ceil(N / 48), K, 48]`: panel p holds output columns 48p..48p+47, zero past N."""
-    n, k = weight.shape
-    padded = F.pad(weight.detach().float(), (0, 0, 0, -n % PANEL))
+@dataclass(frozen=True)
+class PackedLinear:
+    """A weight `[N, K]` packed for `packed_linear`: fp32 panels `[ceil(N / 48), K, 48]` (panel p
+    holds output columns 48p..48p+47, zero past N), or, for a weight in block form (`exact_blocks`),
+    int8 q panels of that shape with a scale and an offset per 32 k of each column `[P, K / 32, 48]`."""
+
+    out_features: int
+    panels: torch.Tensor
+    scale: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.panels, self.scale, self.offset) if t is not None)
+
+
+def pack_linear(weight: torch.Tensor, blocks: bool = True) -> PackedLinear:
+    """Block panels where the weight is exactly in block form (and `blocks`), fp32 panels otherwise."""
+    weight = weight.detach().float()
+    blocks = exact_blocks(weight) if blocks else None
+    if blocks is None:
+        return PackedLinear(weight.shape[0], _panels(weight, weight.shape[1]))
+    q, scale, offset = blocks
+    return PackedLinear(weight.shape[0], _panels(q, q.shape[1]), _panels(scale, scale.shape[1]),
+                        _panels(offset, offset.shape[1]))
+
+
+def _panels(matrix: torch.Tensor, k: int) -> torch.Tensor:
+    """`[N, k]` -> `[ceil(N / 48), k, 48]`, zero past N."""
+    padded = F.pad(matrix, (0, 0, 0, -matrix.shape[0] % PANEL))
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def packed_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+def exact_blocks(weight: torch.Tensor, rows_at_once: int = 4096):
+    """`(q int8 [N, K], scale, offset fp32 [N, K / 32])` with `weight == scale * q + offset` exactly
+    in every 32 k of a row, or None. The two forms of a dequantised GGUF block: Q4_1 (scale and
+    offset fp16 values, q in 0..15; the offset is the block's smallest weight) and Q8_0 (offset 0,
+    |q| <= 127, the block's largest |weight| at q = +-127). scale * q is exact in fp32 in both, so
+    the one rounding of the sum is the same in the kernel as here."""
+    n, k = weight.shape
+    if k % BLOCK or n == 0:
+        return None
+    q, scale, offset = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // BLOCK), torch.empty(n, k // BLOCK)
+    for start in range(0, n, rows_at_once):       # a few MB at a time, so the temporaries stay in cache
+        v = weight[start:start + rows_at_once].reshape(-1, k // BLOCK, BLOCK)
+        low, high = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
+        scale4 = ((high - low) / 15).half().float()
+        q4 = ((v - low) / scale4).nan_to_num_(0).round_().clamp_(0, 15)
+        is_q4 = (scale4 * q4 + low == v).all(-1, keepdim=True)
+        scale8 = v.abs().amax(-1, keepdim=True) / 127
+        q8 = (v / scale8).nan_to_num_(0).round_().clamp_(-127, 127)
+        is_q8 = (scale8 * q8 == v).all(-1, keepdim=True)
+        if not (is_q4 | is_q8).all():
+            return None
+        rows = slice(start, start + v.shape[0])
+        q[rows] = torch.where(is_q4, q4, q8).view(-1, k).to(torch.int8)
+        scale[rows] = torch.where(is_q4, scale4, scale8)[..., 0]
+        offset[rows] = torch.where(is_q4, low, 0.0)[..., 0]
+    return q, scale, offset
+
+
+def packed_linear(x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
     """`x` `[M, K]` times the packed weight's transpose: `[M, out_features]`."""
-    return _load().packed_linear(x.contiguous(), panels, out_features)
+    if packed.scale is None:
+        return _load().packed_linear(x.contiguous(), packed.panels, packed.out_features)
+    return _load().packed_linear_blocks(x.contiguous(), packed.panels, packed.scale, packed.offset, packed.out_features)
 
 
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

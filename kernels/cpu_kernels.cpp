@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 static inline void prefetch_floats(const float* p, int64_t n) {
     for (int64_t f = 0; f < n; f += 16) __builtin_prefetch(p + f);      // one 64-byte line per 16 floats
@@ -132,6 +135,19 @@ constexpr int64_t X_BLOCK_FLOATS = 1 << 18;
 constexpr int64_t PREFETCH_L2_K = 64, PREFETCH_L1_K = 8;     // how many k ahead of the tile each prefetch runs
 constexpr int64_t LINE_FLOATS = 16;
 
+template <int ROWS>
+static inline void store_tile(const vec16 (&acc)[ROWS][3], float* __restrict out, int64_t ldo, int64_t cols) {
+    for (int m = 0; m < ROWS; ++m) {
+        if (cols == PANEL) {
+            for (int j = 0; j < 3; ++j) *(vec16*)(out + m * ldo + 16 * j) = acc[m][j];
+        } else {                                   // the last panel of an N that is not a multiple of 48
+            float tile[PANEL];
+            for (int j = 0; j < 3; ++j) *(vec16*)(tile + 16 * j) = acc[m][j];
+            for (int64_t c = 0; c < cols; ++c) out[m * ldo + c] = tile[c];
+        }
+    }
+}
+
 // `ahead` / `ahead_lines`: cache lines to fetch into L2 while this tile runs (of the next panel)
 template <int ROWS>
 static void gemm_tile(const float* __restrict x, int64_t K, const float* __restrict panel,
@@ -154,23 +170,103 @@ static void gemm_tile(const float* __restrict x, int64_t K, const float* __restr
             acc[m][0] += a * w0; acc[m][1] += a * w1; acc[m][2] += a * w2;
         }
     }
-    for (int m = 0; m < ROWS; ++m) {
-        if (cols == PANEL) {
-            for (int j = 0; j < 3; ++j) *(vec16*)(out + m * ldo + 16 * j) = acc[m][j];
-        } else {                                   // the last panel of an N that is not a multiple of 48
-            float tile[PANEL];
-            for (int j = 0; j < 3; ++j) *(vec16*)(tile + 16 * j) = acc[m][j];
-            for (int64_t c = 0; c < cols; ++c) out[m * ldo + c] = tile[c];
-        }
-    }
+    store_tile<ROWS>(acc, out, ldo, cols);
 }
 
 typedef void (*tile_fn)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*, int64_t);
 static const tile_fn TILES[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
                                  gemm_tile<5>, gemm_tile<6>, gemm_tile<7>, gemm_tile<8>};
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
+// A weight may instead be held as blocks, as a dequantised GGUF Q4_1 / Q8_0 weight is: int8 q
+// panels [P, K, 48] and, per 32 k of each column, a scale and an offset ([P, K/32, 48] each):
+// w = scale * q + offset. The scale is an fp16 value and |q| <= 127, so scale * q is exact in fp32
+// and w is one rounding of the sum, the fp32 weight bit for bit where pack_linear found the weight
+// in this form (kernels/cpu.py). A row block's first tile decodes each k's 48 weights in registers
+// as it goes and, when further tiles follow, stores the decoded panel for them to read from L2.
+// 1.25 bytes a weight instead of 4: the decode steps that stream the weights get 2-3x faster.
+constexpr int64_t QBLOCK = 32;
+constexpr int64_t PREFETCH_Q_K = 64;          // how many k ahead of the tile the block panel is fetched
+
+static inline vec16 decode16(const int8_t* q, vec16 scale, vec16 offset) {
+#ifdef __AVX512F__
+    return scale * (vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))) + offset;
+#else
+    vec16 v;
+    for (int i = 0; i < 16; ++i) v[i] = q[i];
+    return scale * v + offset;
+#endif
+}
+
+template <int ROWS>
+static void gemm_tile_blocks(const float* __restrict x, int64_t K, const int8_t* __restrict q,
+                             const float* __restrict scale, const float* __restrict offset,
+                             float* __restrict out, int64_t ldo, int64_t cols, float* __restrict decoded) {
+    vec16 acc[ROWS][3];
+    for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = acc[m][2] = vec16{};
+    for (int64_t b = 0; b < K / QBLOCK; ++b) {
+        vec16 d[3], o[3];
+        for (int j = 0; j < 3; ++j) {
+            d[j] = *(const vec16*)(scale + b * PANEL + 16 * j);
+            o[j] = *(const vec16*)(offset + b * PANEL + 16 * j);
+        }
+        for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; ++k) {
+            const int8_t* row = q + k * PANEL;
+            __builtin_prefetch(row + PREFETCH_Q_K * PANEL);          // 48 bytes a k: every line gets one
+            vec16 w[3];
+            for (int j = 0; j < 3; ++j) w[j] = decode16(row + 16 * j, d[j], o[j]);
+            if (decoded)
+                for (int j = 0; j < 3; ++j) *(vec16*)(decoded + k * PANEL + 16 * j) = w[j];
+            #pragma GCC unroll 8
+            for (int m = 0; m < ROWS; ++m) {
+                const float a = x[m * K + k];
+                acc[m][0] += a * w[0]; acc[m][1] += a * w[1]; acc[m][2] += a * w[2];
+            }
+        }
+    }
+    store_tile<ROWS>(acc, out, ldo, cols);
+}
+
+typedef void (*block_tile_fn)(const float*, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, float*);
+static const block_tile_fn BLOCK_TILES[9] = {nullptr, gemm_tile_blocks<1>, gemm_tile_blocks<2>, gemm_tile_blocks<3>,
+                                             gemm_tile_blocks<4>, gemm_tile_blocks<5>, gemm_tile_blocks<6>,
+                                             gemm_tile_blocks<7>, gemm_tile_blocks<8>};
+
+// The tiles of out = x @ W^T, panels to threads, rows in blocks (above). `first_tile(p, t, decoded)`
+// runs panel p's first tile of a row block and returns the fp32 panel the block's later tiles read
+// (`decoded` is the thread's buffer for it); those tiles also fetch the thread's next panel into L2,
+// `panel_bytes` from `next_panel + p * panel_bytes`, a share each.
+template <typename FirstTile>
+static void run_tiles(const float* xp, float* op, int64_t M, int64_t K, int64_t N, int64_t P,
+                      const char* panels, int64_t panel_bytes, bool needs_buffer, FirstTile first_tile) {
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+        const int64_t tiles = (M + 7) / 8, panel_lines = panel_bytes / 64;
+        const int64_t block_tiles = std::max<int64_t>(1, X_BLOCK_FLOATS / (8 * K));
+        std::vector<float> buffer(needs_buffer && tiles > 1 ? K * PANEL + LINE_FLOATS : 0);
+        float* decoded = (float*)(((uintptr_t)buffer.data() + 63) & ~(uintptr_t)63);
+        for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {          // one block of rows ...
+            const int64_t t1 = std::min(tiles, t0 + block_tiles);
+            const int64_t share = t1 - t0 > 1 ? (panel_lines + t1 - t0 - 2) / (t1 - t0 - 1) : 0;   // lines per later tile
+            for (int64_t p = begin; p < end; ++p) {                       // ... against each of the thread's panels
+                const int64_t cols = std::min(PANEL, N - p * PANEL);
+                const float* panel = first_tile(p, t0, cols, t1 - t0 > 1 ? decoded : nullptr);
+                for (int64_t t = t0 + 1; t < t1; ++t) {
+                    const int64_t first = (t - t0 - 1) * share;
+                    const int64_t lines = p + 1 == end ? 0 : std::clamp(panel_lines - first, int64_t{0}, share);
+                    const float* ahead = lines ? (const float*)(panels + (p + 1) * panel_bytes + 64 * first) : nullptr;
+                    TILES[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, panel, op + 8 * t * N + p * PANEL, N,
+                                                           cols, ahead, lines);
+                }
+            }
+        }
+    });
+}
+
+static void check_x(const torch::Tensor& x) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: contiguous fp32 [M, K]");
+}
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
+    check_x(x);
     TORCH_CHECK(panels.dim() == 3 && panels.size(2) == PANEL && panels.size(1) == x.size(1), "panels: [P, K, 48]");
     const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
     TORCH_CHECK(N > (P - 1) * PANEL && N <= P * PANEL, "N does not match the panels");
@@ -178,24 +274,37 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
     const float* xp = x.data_ptr<float>();
     const float* wp = panels.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-        const int64_t tiles = (M + 7) / 8, panel_lines = K * PANEL / LINE_FLOATS;
-        const int64_t block_tiles = std::max<int64_t>(1, X_BLOCK_FLOATS / (8 * K));
-        for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {          // one block of rows ...
-            const int64_t t1 = std::min(tiles, t0 + block_tiles);
-            const int64_t share = t1 - t0 > 1 ? (panel_lines + t1 - t0 - 2) / (t1 - t0 - 1) : 0;   // lines per later tile
-            for (int64_t p = begin; p < end; ++p) {                       // ... against each of the thread's panels
-                const int64_t cols = std::min(PANEL, N - p * PANEL);
-                for (int64_t t = t0; t < t1; ++t) {
-                    const int64_t first = (t - t0 - 1) * share;
-                    const int64_t lines = t == t0 || p + 1 == end ? 0 : std::clamp(panel_lines - first, int64_t{0}, share);
-                    const float* ahead = lines ? wp + (p + 1) * K * PANEL + LINE_FLOATS * first : nullptr;
-                    TILES[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, wp + p * K * PANEL,
-                                                           op + 8 * t * N + p * PANEL, N, cols, ahead, lines);
-                }
-            }
-        }
-    });
+    run_tiles(xp, op, M, K, N, P, (const char*)wp, K * PANEL * 4, false,
+              [&](int64_t p, int64_t t, int64_t cols, float*) {
+                  const float* panel = wp + p * K * PANEL;
+                  TILES[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, panel, op + 8 * t * N + p * PANEL, N, cols, nullptr, 0);
+                  return panel;
+              });
+    return out;
+}
+
+torch::Tensor packed_linear_blocks(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offset, int64_t N) {
+    check_x(x);
+    TORCH_CHECK(q.dim() == 3 && q.size(2) == PANEL && q.size(1) == x.size(1) && q.scalar_type() == torch::kChar,
+                "q panels: int8 [P, K, 48]");
+    const int64_t M = x.size(0), K = x.size(1), P = q.size(0);
+    TORCH_CHECK(K % QBLOCK == 0 && scale.sizes() == torch::IntArrayRef({P, K / QBLOCK, PANEL}) && offset.sizes() == scale.sizes()
+                && scale.scalar_type() == torch::kFloat && offset.scalar_type() == torch::kFloat && scale.is_contiguous()
+                && offset.is_contiguous() && q.is_contiguous(), "scale, offset: fp32 [P, K/32, 48]");
+    TORCH_CHECK(N > (P - 1) * PANEL && N <= P * PANEL, "N does not match the panels");
+    auto out = torch::empty({M, N}, x.options());
+    const float* xp = x.data_ptr<float>();
+    const int8_t* qp = q.data_ptr<int8_t>();
+    const float* sp = scale.data_ptr<float>();
+    const float* fp = offset.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t blocks = K / QBLOCK * PANEL;
+    run_tiles(xp, op, M, K, N, P, (const char*)qp, K * PANEL, true,
+              [&](int64_t p, int64_t t, int64_t cols, float* decoded) {
+                  BLOCK_TILES[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, qp + p * K * PANEL, sp + p * blocks,
+                                                               fp + p * blocks, op + 8 * t * N + p * PANEL, N, cols, decoded);
+                  return (const float*)decoded;
+              });
     return out;
 }
 
@@ -292,6 +401,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     using no_gil = py::call_guard<py::gil_scoped_release>;
     m.def("paged_decode", &paged_decode, no_gil());
     m.def("packed_linear", &packed_linear, no_gil());
+    m.def("packed_linear_blocks", &packed_linear_blocks, no_gil());
     m.def("add_rms_norm", &add_rms_norm, no_gil());
     m.def("rope_and_cache", &rope_and_cache, no_gil());
     m.def("silu_mul", &silu_mul, no_gil());

@@ -69,7 +69,7 @@ def test_fused_forward_matches_transformers(tiny, monkeypatch):
     fresh_forwards(monkeypatch)
     runner = assert_matches_transformers(tiny)
     assert isinstance(runner.flat_forward.ops, FusedCpuOps)
-    assert runner.flat_forward.lm_head.panels is not None
+    assert runner.flat_forward.lm_head.packed is not None
 
 
 def test_forward_on_transformers_modules_matches_transformers(tiny, monkeypatch):
@@ -77,7 +77,7 @@ def test_forward_on_transformers_modules_matches_transformers(tiny, monkeypatch)
     monkeypatch.setenv("BATCHTOP_CPU_KERNEL", "0")
     runner = assert_matches_transformers(tiny)
     assert type(runner.flat_forward.ops) is TransformersOps
-    assert runner.flat_forward.lm_head.panels is None
+    assert runner.flat_forward.lm_head.packed is None
 
 
 def test_other_architectures_run_transformers_forward_with_paged_attention():

@@ -69,19 +69,66 @@ def test_packed_linear_matches_f_linear(rows, out_features, in_features):
     torch.manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features)
     x = torch.randn(rows, in_features)
-    panels = cpu.pack_linear(weight)
-    assert panels.shape == (-(-out_features // cpu.PANEL), in_features, cpu.PANEL)
-    out = cpu.packed_linear(x, panels, out_features)
+    packed = cpu.pack_linear(weight)
+    assert packed.scale is None, "a random weight is not in block form: fp32 panels"
+    assert packed.panels.shape == (-(-out_features // cpu.PANEL), in_features, cpu.PANEL)
+    out = cpu.packed_linear(x, packed)
     assert out.shape == (rows, out_features)
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4 * in_features ** 0.5, rtol=1e-5)
 
 
 def test_packed_linear_refuses_a_width_that_does_not_match_its_panels():
-    panels = cpu.pack_linear(torch.randn(100, 8))            # 3 panels: 100 columns fit, 97..144 would too
+    packed = cpu.pack_linear(torch.randn(100, 8))            # 3 panels: 100 columns fit, 97..144 would too
     with pytest.raises(RuntimeError, match="N does not match"):
-        cpu.packed_linear(torch.randn(2, 8), panels, 145)
+        cpu.packed_linear(torch.randn(2, 8), cpu.PackedLinear(145, packed.panels))
     with pytest.raises(RuntimeError, match="panels"):
-        cpu.packed_linear(torch.randn(2, 9), panels, 100)
+        cpu.packed_linear(torch.randn(2, 9), packed)
+
+
+def gguf_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A weight as transformers dequantises a GGUF: every 32 k of a row a Q4_1 block (fp16 scale and
+    minimum, q in 0..15: scale * q + minimum) or, in every third row, a Q8_0 block (scale * q, |q| <= 127)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (out_features, in_features // cpu.BLOCK, 1)
+    scale = (torch.rand(shape, generator=g) * 0.02).half().float()
+    minimum = (-torch.rand(shape, generator=g) * 0.15).half().float()
+    q4 = torch.randint(0, 16, (*shape[:2], cpu.BLOCK), generator=g).float()
+    q4[..., 0], q4[..., 1] = 0, 15                           # the block's minimum and maximum, as Q4_1 quantises
+    q8 = torch.randint(-127, 128, (*shape[:2], cpu.BLOCK), generator=g).float()
+    q8[..., 0] = 127
+    weight = torch.where(torch.arange(out_features).view(-1, 1, 1) % 3 == 2, scale * q8, scale * q4 + minimum)
+    return weight.view(out_features, in_features)
+
+
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (50, 64), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 130])
+def test_a_weight_in_gguf_blocks_is_packed_as_blocks_with_the_fp32_result_bit_for_bit(rows, out_features, in_features):
+    weight = gguf_weight(out_features, in_features, seed=rows)
+    packed, fp32 = cpu.pack_linear(weight), cpu.pack_linear(weight, blocks=False)
+    assert packed.scale is not None and packed.panels.dtype == torch.int8
+    assert packed.nbytes < fp32.nbytes / 3
+    x = torch.randn(rows, in_features)
+    out = cpu.packed_linear(x, packed)
+    assert torch.equal(out, cpu.packed_linear(x, fp32)), "the blocks decode to the same weights, summed in the same order"
+    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4 * in_features ** 0.5, rtol=1e-5)
+
+
+def test_the_blocks_decode_to_the_weight_exactly():
+    weight = gguf_weight(100, 96, seed=1)
+    # x = identity: out[m, n] = 1 * w[n, m] plus zeros, so the output is the decoded weight, transposed
+    assert torch.equal(cpu.packed_linear(torch.eye(96), cpu.pack_linear(weight)).T, weight)
+    q, scale, offset = cpu.exact_blocks(weight)
+    assert q.abs().max() == 127 and torch.equal(scale.repeat_interleave(cpu.BLOCK, 1) * q + offset.repeat_interleave(cpu.BLOCK, 1), weight)
+
+
+def test_a_weight_almost_in_block_form_keeps_fp32_panels():
+    weight = gguf_weight(50, 64, seed=2)
+    assert cpu.exact_blocks(weight) is not None
+    nudged = weight.clone()
+    nudged[7, 40] = torch.nextafter(nudged[7, 40], torch.tensor(1.0))     # one weight one ulp off its block
+    assert cpu.exact_blocks(nudged) is None and cpu.pack_linear(nudged).scale is None
+    assert cpu.exact_blocks(weight[:, :48]) is None, "K is not a multiple of the block size"
+    assert cpu.exact_blocks(torch.zeros(4, 64)) is not None, "an all-zero block is scale 0"
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 300])
