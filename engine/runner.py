@@ -81,7 +81,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # glibc's mallopt parameters
 _flat_forwards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its packed FlatForward
 
 
-def _flat_forward(model) -> FlatForward:
+def flat_forward_for(model) -> FlatForward:
     """The model's FlatForward, built once per model (packing copies the weights) and again if it moved."""
     flat = _flat_forwards.get(model)
     if flat is None or flat.placement != (model.device, model.dtype):
@@ -99,7 +99,7 @@ class Runner:
         # build the CPU kernels now (once per machine), not mid-step
         self.decode_kernel = self.device.type == "cpu" and dtype == torch.float32 and cpu.available()
         if supports(model):
-            self.flat_forward = _flat_forward(model)
+            self.flat_forward = flat_forward_for(model)
         else:
             self.flat_forward = None
             model.set_attn_implementation(ATTENTION_NAME)

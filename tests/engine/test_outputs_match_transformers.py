@@ -7,7 +7,7 @@ import torch
 from batchtop.engine.config import EngineConfig
 from batchtop.engine.engine import Engine
 from batchtop.engine.model import load_model
-from batchtop.engine.runner import _flat_forward
+from batchtop.engine.runner import flat_forward_for
 from batchtop.engine.sampling import SamplingParams
 from batchtop.kernels import cpu
 
@@ -77,7 +77,7 @@ def test_smollm2_matches_transformers_generate(smollm2, smollm2_reference, confi
 def test_smollm2_runs_on_its_gguf_blocks(smollm2):
     """The default model comes from a Q4_1 / Q8_0 GGUF: every projection and the LM head are packed as
     those blocks (a third of the fp32 bytes), so the identity above holds for the block kernel."""
-    flat = _flat_forward(smollm2.model)
+    flat = flat_forward_for(smollm2.model)
     linears = [linear for _, *fused in flat.layers for linear in fused] + [flat.lm_head]
     assert all(linear.packed.scale is not None for linear in linears)
     fp32_bytes = 4 * sum(p.numel() for m in smollm2.model.modules() if isinstance(m, torch.nn.Linear) for p in [m.weight])
