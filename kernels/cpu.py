@@ -90,7 +90,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 class PackedLinear:
     """A weight `[N, K]` packed for `packed_linear`: fp32 panels `[ceil(N / 48), K, 48]` (panel p
     holds output columns 48p..48p+47, zero past N), or, for a weight in block form (`exact_blocks`),
-    int8 q panels of that shape with a scale and an offset per 32 k of each column `[P, K / 32, 48]`."""
+    q panels with a scale and an offset per 32 k of each column `[P, K / 32, 48]`: int8 `[P, K, 48]`,
+    or uint8 `[P, K, 24]` of two 4-bit q each when every q is in 0..15 (Q4_1)."""
 
     out_features: int
     panels: torch.Tensor
@@ -109,8 +110,17 @@ def pack_linear(weight: torch.Tensor, blocks: bool = True) -> PackedLinear:
     if blocks is None:
         return PackedLinear(weight.shape[0], _panels(weight, weight.shape[1]))
     q, scale, offset = blocks
-    return PackedLinear(weight.shape[0], _panels(q, q.shape[1]), _panels(scale, scale.shape[1]),
-                        _panels(offset, offset.shape[1]))
+    panels = _panels(q, q.shape[1])
+    if q.min() >= 0 and q.max() <= 15:          # Q4_1 throughout: two 4-bit q a byte
+        panels = _nibbles(panels)
+    return PackedLinear(weight.shape[0], panels, _panels(scale, scale.shape[1]), _panels(offset, offset.shape[1]))
+
+
+def _nibbles(panels: torch.Tensor) -> torch.Tensor:
+    """int8 q panels `[P, K, 48]` of values 0..15 -> uint8 `[P, K, 24]`: byte j < 16 holds column j
+    (low nibble) and 16 + j (high), byte 16 + j holds column 32 + j and 40 + j (the kernel's decode)."""
+    q = panels.to(torch.uint8)
+    return torch.cat([q[..., :16] | q[..., 16:32] << 4, q[..., 32:40] | q[..., 40:] << 4], dim=-1).contiguous()
 
 
 def _panels(matrix: torch.Tensor, k: int) -> torch.Tensor:

@@ -197,10 +197,37 @@ static inline vec16 decode16(const int8_t* q, vec16 scale, vec16 offset) {
 #endif
 }
 
-template <int ROWS>
-static void gemm_tile_blocks(const float* __restrict x, int64_t K, const int8_t* __restrict q,
+// One k of a panel: 48 weights from int8 q (48 bytes) or, NIBBLES, from 4-bit q (24 bytes: byte j < 16
+// holds column j low and column 16 + j high, byte 16 + j holds column 32 + j low and 40 + j high).
+template <bool NIBBLES>
+static inline void decode_k(const uint8_t* row, const vec16 (&d)[3], const vec16 (&o)[3], vec16 (&w)[3]) {
+    if constexpr (!NIBBLES) {
+        for (int j = 0; j < 3; ++j) w[j] = decode16((const int8_t*)row + 16 * j, d[j], o[j]);
+    } else {
+#ifdef __AVX512F__
+        const __m128i low = _mm_set1_epi8(0x0F);
+        const __m128i a = _mm_loadu_si128((const __m128i*)row), b = _mm_loadl_epi64((const __m128i*)(row + 16));
+        const __m128i q[3] = {_mm_and_si128(a, low), _mm_and_si128(_mm_srli_epi16(a, 4), low),
+                              _mm_unpacklo_epi64(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low))};
+        for (int j = 0; j < 3; ++j) w[j] = d[j] * (vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q[j])) + o[j];
+#else
+        for (int j = 0; j < 3; ++j) {
+            vec16 v;
+            for (int i = 0; i < 16; ++i) {
+                const int column = 16 * j + i, byte = column < 32 ? column % 16 : 16 + column % 8;
+                v[i] = (column < 32 ? column < 16 : column < 40) ? row[byte] & 15 : row[byte] >> 4;
+            }
+            w[j] = d[j] * v + o[j];
+        }
+#endif
+    }
+}
+
+template <int ROWS, bool NIBBLES>
+static void gemm_tile_blocks(const float* __restrict x, int64_t K, const uint8_t* __restrict q,
                              const float* __restrict scale, const float* __restrict offset,
                              float* __restrict out, int64_t ldo, int64_t cols, float* __restrict decoded) {
+    constexpr int64_t ROW_BYTES = NIBBLES ? PANEL / 2 : PANEL;
     vec16 acc[ROWS][3];
     for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = acc[m][2] = vec16{};
     for (int64_t b = 0; b < K / QBLOCK; ++b) {
@@ -210,10 +237,10 @@ static void gemm_tile_blocks(const float* __restrict x, int64_t K, const int8_t*
             o[j] = *(const vec16*)(offset + b * PANEL + 16 * j);
         }
         for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; ++k) {
-            const int8_t* row = q + k * PANEL;
-            __builtin_prefetch(row + PREFETCH_Q_K * PANEL);          // 48 bytes a k: every line gets one
+            const uint8_t* row = q + k * ROW_BYTES;
+            __builtin_prefetch(row + PREFETCH_Q_K * ROW_BYTES);      // 48 or 24 bytes a k: every line gets one
             vec16 w[3];
-            for (int j = 0; j < 3; ++j) w[j] = decode16(row + 16 * j, d[j], o[j]);
+            decode_k<NIBBLES>(row, d, o, w);
             if (decoded)
                 for (int j = 0; j < 3; ++j) *(vec16*)(decoded + k * PANEL + 16 * j) = w[j];
             #pragma GCC unroll 8
@@ -226,10 +253,12 @@ static void gemm_tile_blocks(const float* __restrict x, int64_t K, const int8_t*
     store_tile<ROWS>(acc, out, ldo, cols);
 }
 
-typedef void (*block_tile_fn)(const float*, int64_t, const int8_t*, const float*, const float*, float*, int64_t, int64_t, float*);
-static const block_tile_fn BLOCK_TILES[9] = {nullptr, gemm_tile_blocks<1>, gemm_tile_blocks<2>, gemm_tile_blocks<3>,
-                                             gemm_tile_blocks<4>, gemm_tile_blocks<5>, gemm_tile_blocks<6>,
-                                             gemm_tile_blocks<7>, gemm_tile_blocks<8>};
+typedef void (*block_tile_fn)(const float*, int64_t, const uint8_t*, const float*, const float*, float*, int64_t, int64_t, float*);
+template <bool NIBBLES>
+static const block_tile_fn BLOCK_TILES[9] = {nullptr, gemm_tile_blocks<1, NIBBLES>, gemm_tile_blocks<2, NIBBLES>,
+                                             gemm_tile_blocks<3, NIBBLES>, gemm_tile_blocks<4, NIBBLES>,
+                                             gemm_tile_blocks<5, NIBBLES>, gemm_tile_blocks<6, NIBBLES>,
+                                             gemm_tile_blocks<7, NIBBLES>, gemm_tile_blocks<8, NIBBLES>};
 
 // The tiles of out = x @ W^T, panels to threads, rows in blocks (above). `first_tile(p, t, decoded)`
 // runs panel p's first tile of a row block and returns the fp32 panel the block's later tiles read
@@ -285,24 +314,27 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
 
 torch::Tensor packed_linear_blocks(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offset, int64_t N) {
     check_x(x);
-    TORCH_CHECK(q.dim() == 3 && q.size(2) == PANEL && q.size(1) == x.size(1) && q.scalar_type() == torch::kChar,
-                "q panels: int8 [P, K, 48]");
+    const bool nibbles = q.scalar_type() == torch::kByte;
+    TORCH_CHECK(q.dim() == 3 && q.size(1) == x.size(1) && q.is_contiguous()
+                && (nibbles ? q.size(2) == PANEL / 2 : q.scalar_type() == torch::kChar && q.size(2) == PANEL),
+                "q panels: int8 [P, K, 48] or uint8 nibbles [P, K, 24]");
     const int64_t M = x.size(0), K = x.size(1), P = q.size(0);
     TORCH_CHECK(K % QBLOCK == 0 && scale.sizes() == torch::IntArrayRef({P, K / QBLOCK, PANEL}) && offset.sizes() == scale.sizes()
                 && scale.scalar_type() == torch::kFloat && offset.scalar_type() == torch::kFloat && scale.is_contiguous()
-                && offset.is_contiguous() && q.is_contiguous(), "scale, offset: fp32 [P, K/32, 48]");
+                && offset.is_contiguous(), "scale, offset: fp32 [P, K/32, 48]");
     TORCH_CHECK(N > (P - 1) * PANEL && N <= P * PANEL, "N does not match the panels");
     auto out = torch::empty({M, N}, x.options());
     const float* xp = x.data_ptr<float>();
-    const int8_t* qp = q.data_ptr<int8_t>();
+    const uint8_t* qp = (const uint8_t*)q.data_ptr();
     const float* sp = scale.data_ptr<float>();
     const float* fp = offset.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const int64_t blocks = K / QBLOCK * PANEL;
-    run_tiles(xp, op, M, K, N, P, (const char*)qp, K * PANEL, true,
+    const int64_t blocks = K / QBLOCK * PANEL, panel_bytes = K * q.size(2);
+    const block_tile_fn* tiles = nibbles ? BLOCK_TILES<true> : BLOCK_TILES<false>;
+    run_tiles(xp, op, M, K, N, P, (const char*)qp, panel_bytes, true,
               [&](int64_t p, int64_t t, int64_t cols, float* decoded) {
-                  BLOCK_TILES[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, qp + p * K * PANEL, sp + p * blocks,
-                                                               fp + p * blocks, op + 8 * t * N + p * PANEL, N, cols, decoded);
+                  tiles[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, qp + p * panel_bytes, sp + p * blocks,
+                                                         fp + p * blocks, op + 8 * t * N + p * PANEL, N, cols, decoded);
                   return (const float*)decoded;
               });
     return out;

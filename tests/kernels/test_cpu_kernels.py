@@ -85,9 +85,10 @@ def test_packed_linear_refuses_a_width_that_does_not_match_its_panels():
         cpu.packed_linear(torch.randn(2, 9), packed)
 
 
-def gguf_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+def gguf_weight(out_features: int, in_features: int, seed: int, q8_rows: bool = True) -> torch.Tensor:
     """A weight as transformers dequantises a GGUF: every 32 k of a row a Q4_1 block (fp16 scale and
-    minimum, q in 0..15: scale * q + minimum) or, in every third row, a Q8_0 block (scale * q, |q| <= 127)."""
+    minimum, q in 0..15: scale * q + minimum) or, in every third row when `q8_rows`, a Q8_0 block
+    (scale * q, |q| <= 127)."""
     g = torch.Generator().manual_seed(seed)
     shape = (out_features, in_features // cpu.BLOCK, 1)
     scale = (torch.rand(shape, generator=g) * 0.02).half().float()
@@ -96,29 +97,36 @@ def gguf_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     q4[..., 0], q4[..., 1] = 0, 15                           # the block's minimum and maximum, as Q4_1 quantises
     q8 = torch.randint(-127, 128, (*shape[:2], cpu.BLOCK), generator=g).float()
     q8[..., 0] = 127
-    weight = torch.where(torch.arange(out_features).view(-1, 1, 1) % 3 == 2, scale * q8, scale * q4 + minimum)
+    is_q8 = (torch.arange(out_features).view(-1, 1, 1) % 3 == 2) & q8_rows
+    weight = torch.where(is_q8, scale * q8, scale * q4 + minimum)
     return weight.view(out_features, in_features)
 
 
+@pytest.mark.parametrize("q8_rows", [False, True], ids=["Q4_1: nibbles", "Q4_1 and Q8_0: int8"])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (50, 64), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 130])
-def test_a_weight_in_gguf_blocks_is_packed_as_blocks_with_the_fp32_result_bit_for_bit(rows, out_features, in_features):
-    weight = gguf_weight(out_features, in_features, seed=rows)
+def test_a_weight_in_gguf_blocks_is_packed_as_blocks_with_the_fp32_result_bit_for_bit(rows, out_features, in_features,
+                                                                                       q8_rows):
+    weight = gguf_weight(out_features, in_features, seed=rows, q8_rows=q8_rows)
     packed, fp32 = cpu.pack_linear(weight), cpu.pack_linear(weight, blocks=False)
-    assert packed.scale is not None and packed.panels.dtype == torch.int8
-    assert packed.nbytes < fp32.nbytes / 3
+    assert packed.scale is not None
+    if q8_rows:
+        assert packed.panels.dtype == torch.int8 and packed.nbytes < fp32.nbytes / 3
+    else:
+        assert packed.panels.shape[-1] == cpu.PANEL // 2 and packed.nbytes < fp32.nbytes / 5
     x = torch.randn(rows, in_features)
     out = cpu.packed_linear(x, packed)
     assert torch.equal(out, cpu.packed_linear(x, fp32)), "the blocks decode to the same weights, summed in the same order"
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4 * in_features ** 0.5, rtol=1e-5)
 
 
-def test_the_blocks_decode_to_the_weight_exactly():
-    weight = gguf_weight(100, 96, seed=1)
+@pytest.mark.parametrize("q8_rows", [False, True])
+def test_the_blocks_decode_to_the_weight_exactly(q8_rows):
+    weight = gguf_weight(100, 96, seed=1, q8_rows=q8_rows)
     # x = identity: out[m, n] = 1 * w[n, m] plus zeros, so the output is the decoded weight, transposed
     assert torch.equal(cpu.packed_linear(torch.eye(96), cpu.pack_linear(weight)).T, weight)
     q, scale, offset = cpu.exact_blocks(weight)
-    assert q.abs().max() == 127 and torch.equal(scale.repeat_interleave(cpu.BLOCK, 1) * q + offset.repeat_interleave(cpu.BLOCK, 1), weight)
+    assert q.abs().max() == (127 if q8_rows else 15) and torch.equal(scale.repeat_interleave(cpu.BLOCK, 1) * q + offset.repeat_interleave(cpu.BLOCK, 1), weight)
 
 
 def test_a_weight_almost_in_block_form_keeps_fp32_panels():
