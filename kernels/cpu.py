@@ -16,6 +16,7 @@
 - `add_rms_norm`, `rope_and_cache`, `silu_mul`: a Llama layer's elementwise steps, one call each
   instead of transformers' several small ops each, which at a decode step's few rows cost more
   than the arithmetic (engine/forward.py).
+- `argmax_rows`: the greedy sampler's argmax; torch's walks a row one value at a time.
 
 The build runs the machine's C++ compiler through torch.utils.cpp_extension (about a minute),
 once per machine, into the torch extensions cache; `available()` is False where that fails (or
@@ -180,3 +181,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`[T, 2I]` -> `silu(gate) * up` `[T, I]`."""
     return _load().silu_mul(gate_up)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of fp32 `[R, V]`, same answer (first on ties, NaN largest), ~5x faster."""
+    return _load().argmax_rows(logits.contiguous())

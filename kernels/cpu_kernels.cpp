@@ -427,6 +427,36 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     return out;
 }
 
+// logits [R, V] -> the index of each row's largest value, the first one on a tie; a NaN counts as
+// the largest and -0.0 equals 0.0 (torch.argmax's rules). torch's argmax walks a row one value at
+// a time (45 us for SmolLM2's 49152); this compares integer keys that order like the floats, in
+// vectors, and is immune to -ffast-math (which would drop the NaN and infinity cases).
+static inline int32_t order_key(int32_t bits) {
+    const int32_t magnitude = bits & 0x7fffffff;
+    return magnitude > 0x7f800000 ? INT32_MAX : magnitude == 0 ? 0 : bits >= 0 ? bits : bits ^ 0x7fffffff;
+}
+
+torch::Tensor argmax_rows(torch::Tensor logits) {
+    TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat
+                && logits.size(1) > 0, "logits: contiguous fp32 [R, V], V > 0");
+    const int64_t R = logits.size(0), V = logits.size(1);
+    auto out = torch::empty({R}, logits.options().dtype(torch::kLong));
+    const int32_t* lp = (const int32_t*)logits.data_ptr<float>();
+    int64_t* op = out.data_ptr<int64_t>();
+    at::parallel_for(0, R, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const int32_t* row = lp + r * V;
+            int32_t best = INT32_MIN;
+            #pragma omp simd reduction(max:best)
+            for (int64_t i = 0; i < V; ++i) best = std::max(best, order_key(row[i]));
+            int64_t index = 0;
+            while (order_key(row[index]) != best) ++index;
+            op[r] = index;
+        }
+    });
+    return out;
+}
+
 // The GIL is released while a kernel runs, as torch's own ops do, so the engine thread's compute
 // does not stall the server's or the dashboard's Python.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -437,4 +467,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("add_rms_norm", &add_rms_norm, no_gil());
     m.def("rope_and_cache", &rope_and_cache, no_gil());
     m.def("silu_mul", &silu_mul, no_gil());
+    m.def("argmax_rows", &argmax_rows, no_gil());
 }

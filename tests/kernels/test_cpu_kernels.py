@@ -180,3 +180,16 @@ def test_silu_mul_is_silu_of_gate_times_up(tokens):
     gate_up = torch.randn(tokens, 2 * 1536) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_argmax_rows_is_torch_argmax_ties_nans_and_signed_zeros_included():
+    logits = torch.randn(37, 49152)
+    assert torch.equal(cpu.argmax_rows(logits), logits.argmax(dim=-1))
+    edge = torch.full((6, 100), -1.0)
+    edge[0, 5] = edge[0, 9] = 2.0                           # a tie: the first
+    edge[1, 3], edge[1, 7], edge[1, 8] = float("inf"), float("nan"), -float("nan")   # NaN is the largest
+    edge[2] = -float("inf")
+    edge[3, 4], edge[3, 8] = -0.0, 0.0                      # -0.0 == 0.0: the first
+    edge[4, 99] = float("inf")
+    edge[5, 0] = -float("nan")
+    assert torch.equal(cpu.argmax_rows(edge), edge.argmax(dim=-1))
