@@ -23,6 +23,7 @@ from batchtop.kernels import cpu
 from .forward import FlatForward, supports
 
 ATTENTION_NAME = "batchtop_paged"
+TOKEN_ROWS_MAX_QUERY = 128      # longest query of a step whose attention runs as one decode-kernel row per token
 
 
 @dataclass
@@ -34,6 +35,7 @@ class StepInputs:
     block_table: torch.Tensor        # [num_rows, max_blocks]
     slot_mapping: torch.Tensor       # [num_tokens]
     logits_indices: torch.Tensor     # flat index of the last token of every row that samples
+    max_query_len: int               # the longest row's number of tokens
 
 
 @dataclass
@@ -144,6 +146,7 @@ class Runner:
             block_table=tensor(np.ascontiguousarray(step_block_table)),
             slot_mapping=tensor(slot_mapping),
             logits_indices=tensor(query_start_loc[1:][samples] - 1),
+            max_query_len=int(query_lens.max(initial=0)),
         )
 
     @torch.inference_mode()
@@ -159,11 +162,18 @@ class Runner:
     def _attention(self, inputs: StepInputs):
         """The step's attention over K/V already in the caches, `attend(layer_index, query, scale)`."""
         caches = self.kv_caches
-        if (self.decode_kernel and len(inputs.input_ids) == len(inputs.seq_lens)
-                and kernels.resolve_backend(inputs.block_table.device) == "torch"):
-            # every row decodes one token: straight to the torch path's CPU decode kernel, no metadata to build
-            return lambda index, query, scale: cpu.paged_decode(query, *caches[index], inputs.block_table,
-                                                                inputs.seq_lens, scale)
+        if (self.decode_kernel and kernels.resolve_backend(inputs.block_table.device) == "torch"
+                and inputs.max_query_len <= TOKEN_ROWS_MAX_QUERY):
+            # The CPU decode kernel serves the whole step: every token is a query row over its own causal
+            # prefix (a prompt token's positions up to its own; a decode row's whole sequence), its
+            # sequence's block table row beside it. Up to 128 tokens of a sequence this beats SDPA a
+            # sequence at a time; beyond, each token's re-reading of its prefix costs more (docs/kernels.md).
+            if len(inputs.input_ids) == len(inputs.seq_lens):
+                block_table, seq_lens = inputs.block_table, inputs.seq_lens
+            else:
+                block_table = inputs.block_table.repeat_interleave(inputs.query_start_loc.diff(), dim=0)
+                seq_lens = (inputs.positions + 1).to(torch.int32)
+            return lambda index, query, scale: cpu.paged_decode(query, *caches[index], block_table, seq_lens, scale)
         metadata = kernels.build_attention_metadata(
             inputs.query_start_loc, inputs.seq_lens, inputs.block_table, self.block_size)
         return lambda index, query, scale: kernels.paged_attention(query, *caches[index], metadata, scale)

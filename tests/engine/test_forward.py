@@ -15,7 +15,7 @@ from batchtop.engine import runner as runner_module
 from batchtop.engine.forward import FusedCpuOps, TransformersOps
 from batchtop.engine.model import load_model
 from batchtop.engine.runner import Runner
-from batchtop.kernels import cpu
+from batchtop.kernels import attention_torch, cpu
 
 BLOCK = 4
 PROMPTS = [[5, 9, 200], list(range(300, 317)), [7] * 9, list(range(1000, 1033, 3))]
@@ -65,9 +65,17 @@ def assert_matches_transformers(model):
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C++ build")
-def test_fused_forward_matches_transformers(tiny, monkeypatch):
+@pytest.mark.parametrize("prompt_attention", ["decode kernel a row per token", "SDPA a sequence at a time"])
+def test_fused_forward_matches_transformers(tiny, monkeypatch, prompt_attention):
     fresh_forwards(monkeypatch)
+    sdpa = prompt_attention.startswith("SDPA")
+    if sdpa:                                           # as for a step with a prompt longer than the limit
+        monkeypatch.setattr(runner_module, "TOKEN_ROWS_MAX_QUERY", max(map(len, PROMPTS)) - 1)
+    prompt_calls = []
+    sdpa_prompt = attention_torch._prefill_attention
+    monkeypatch.setattr(attention_torch, "_prefill_attention", lambda *a: prompt_calls.append(1) or sdpa_prompt(*a))
     runner = assert_matches_transformers(tiny)
+    assert bool(prompt_calls) == sdpa
     assert isinstance(runner.flat_forward.ops, FusedCpuOps)
     assert runner.flat_forward.lm_head.packed is not None
 
