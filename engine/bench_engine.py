@@ -134,7 +134,7 @@ def streamed_weight_bytes(model) -> int:
     flat = flat_forward_for(model) if supports(model) else None
     if flat is None or flat.lm_head.packed is None:
         return sum(p.numel() * p.element_size() for p in model.parameters())
-    packed = sum(linear.packed.nbytes for _, *linears in flat.layers for linear in linears) + flat.lm_head.packed.nbytes
+    packed = sum(linear.packed.nbytes for layer in flat.layers for linear in layer.linears) + flat.lm_head.packed.nbytes
     norms = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
     return packed + norms
 

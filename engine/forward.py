@@ -12,7 +12,7 @@ transformers' forward with the attention registered by name (runner.py).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,24 @@ class FusedLinear:
             return F.linear(x, self.weight, self.bias)
         out = cpu.packed_linear(x, self.packed)
         return out if self.bias is None else out.add_(self.bias)
+
+
+class Layer(NamedTuple):
+    """A decoder layer's parts in the order the forward uses them (transformers' modules and values,
+    read once here rather than through nn.Module attribute lookups at every step)."""
+
+    input_norm: torch.nn.Module
+    qkv: FusedLinear
+    scaling: float
+    o: FusedLinear
+    post_norm: torch.nn.Module
+    gate_up: FusedLinear
+    act_fn: Callable
+    down: FusedLinear
+
+    @property
+    def linears(self) -> tuple[FusedLinear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
 
 
 class TransformersOps:
@@ -100,14 +118,16 @@ class FlatForward:
                  and cpu.available())
         ops = FusedCpuOps if fused else TransformersOps
         self.ops = ops(config.num_attention_heads, config.num_key_value_heads, head_dim)
-        self.layers = []
-        for layer in self.model.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            self.layers.append((layer,
-                                FusedLinear(attention.q_proj, attention.k_proj, attention.v_proj, packed=fused),
-                                FusedLinear(attention.o_proj, packed=fused),
-                                FusedLinear(mlp.gate_proj, mlp.up_proj, packed=fused),
-                                FusedLinear(mlp.down_proj, packed=fused)))
+        self.layers = [Layer(layer.input_layernorm,
+                             FusedLinear(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                         packed=fused),
+                             layer.self_attn.scaling,
+                             FusedLinear(layer.self_attn.o_proj, packed=fused),
+                             layer.post_attention_layernorm,
+                             FusedLinear(layer.mlp.gate_proj, layer.mlp.up_proj, packed=fused),
+                             layer.mlp.act_fn,
+                             FusedLinear(layer.mlp.down_proj, packed=fused))
+                       for layer in self.model.layers]
         self.lm_head = FusedLinear(model.lm_head, packed=fused)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -117,12 +137,12 @@ class FlatForward:
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = (t[0] for t in self.model.rotary_emb(hidden, positions[None]))   # [T, head_dim], once per step
         delta = None                       # what the last block adds to the residual stream, added lazily
-        for index, (layer, qkv, o, gate_up, down) in enumerate(self.layers):
-            x = ops.add_rms_norm(hidden, delta, layer.input_layernorm)
-            query = ops.rope_and_cache(qkv(x), cos, sin, *kv_caches[index], slot_mapping)
-            delta = o(attend(index, query, layer.self_attn.scaling).view(num_tokens, -1))
-            x = ops.add_rms_norm(hidden, delta, layer.post_attention_layernorm)
-            delta = down(ops.silu_mul(gate_up(x), layer.mlp.act_fn))
+        for index, layer in enumerate(self.layers):
+            x = ops.add_rms_norm(hidden, delta, layer.input_norm)
+            query = ops.rope_and_cache(layer.qkv(x), cos, sin, *kv_caches[index], slot_mapping)
+            delta = layer.o(attend(index, query, layer.scaling).view(num_tokens, -1))
+            x = ops.add_rms_norm(hidden, delta, layer.post_norm)
+            delta = layer.down(ops.silu_mul(layer.gate_up(x), layer.act_fn))
         return ops.add_rms_norm(hidden, delta, self.model.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -83,8 +83,13 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Decode attention of `query` `[rows, Hq, D]` (one token per row) over each row's paged KV."""
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         query = query.contiguous()
-    return _load().paged_decode(query, k_cache, v_cache, block_table.to(torch.int32).contiguous(),
-                                seq_lens.to(torch.int32).contiguous(), float(scale))
+    return _load().paged_decode(query, k_cache, v_cache, _as(block_table, torch.int32), _as(seq_lens, torch.int32),
+                                float(scale))
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as contiguous `dtype`; the check alone when it already is (a layer's calls, every step)."""
+    return tensor if tensor.dtype == dtype and tensor.is_contiguous() else tensor.to(dtype).contiguous()
 
 
 @dataclass(frozen=True)
@@ -175,7 +180,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     """Rotate q (in place) and k of the fused `[T, (Hq + 2 Hkv) * D]` projection, store k and v in
     the caches at `slot_mapping`; returns q as a `[T, Hq, D]` view."""
     return _load().rope_and_cache(qkv, cos, sin, num_heads, num_kv_heads, k_cache, v_cache,
-                                  slot_mapping.to(torch.int64))
+                                  _as(slot_mapping, torch.int64))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

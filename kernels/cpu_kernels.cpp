@@ -388,19 +388,22 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
     float* vc = v_cache.data_ptr<float>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-        std::vector<float> rotated(D);
+        std::vector<float> buffer(D);
+        float* __restrict rotated = buffer.data();          // restrict: the loops below vectorise
         for (int64_t t = begin; t < end; ++t) {
-            const float* c = cp + t * D;
-            const float* s = sp + t * D;
+            const float* __restrict c = cp + t * D;
+            const float* __restrict s = sp + t * D;
             float* row = qp + t * width;
             for (int64_t h = 0; h < Hq + Hkv; ++h) {
-                float* x = row + h * D;
+                const float* __restrict x = row + h * D;
+                #pragma omp simd
                 for (int64_t i = 0; i < half; ++i) {
                     rotated[i] = x[i] * c[i] - x[i + half] * s[i];
                     rotated[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
                 }
-                float* dest = h < Hq ? x : kc + (slots[t] * Hkv + (h - Hq)) * D;
-                std::copy(rotated.begin(), rotated.end(), dest);
+                float* __restrict dest = h < Hq ? row + h * D : kc + (slots[t] * Hkv + (h - Hq)) * D;
+                #pragma omp simd
+                for (int64_t i = 0; i < D; ++i) dest[i] = rotated[i];
             }
             std::copy(row + (Hq + Hkv) * D, row + width, vc + slots[t] * Hkv * D);
         }

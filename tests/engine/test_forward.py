@@ -119,7 +119,7 @@ def test_fused_forward_adds_every_projection_bias(monkeypatch):
     fresh_forwards(monkeypatch)
     runner = assert_matches_transformers(small_llama(attention_bias=True, mlp_bias=True))
     assert isinstance(runner.flat_forward.ops, FusedCpuOps)
-    assert runner.flat_forward.layers[0][1].bias is not None
+    assert runner.flat_forward.layers[0].qkv.bias is not None
 
 
 def test_another_activation_runs_on_transformers_modules(monkeypatch):

@@ -78,13 +78,13 @@ def test_smollm2_runs_on_its_gguf_blocks(smollm2):
     """The default model comes from a Q4_1 / Q8_0 GGUF: every projection and the LM head are packed as
     those blocks (a third of the fp32 bytes), so the identity above holds for the block kernel."""
     flat = flat_forward_for(smollm2.model)
-    linears = [linear for _, *fused in flat.layers for linear in fused] + [flat.lm_head]
+    linears = [linear for layer in flat.layers for linear in layer.linears] + [flat.lm_head]
     assert all(linear.packed.scale is not None for linear in linears)
     fp32_bytes = 4 * sum(p.numel() for m in smollm2.model.modules() if isinstance(m, torch.nn.Linear) for p in [m.weight])
     assert sum(linear.packed.nbytes for linear in linears) < fp32_bytes / 3
     down = smollm2.model.model.layers[5].mlp.down_proj.weight
     identity = torch.eye(down.shape[1])
-    assert torch.equal(cpu.packed_linear(identity, flat.layers[5][4].packed).T, down)
+    assert torch.equal(cpu.packed_linear(identity, flat.layers[5].down.packed).T, down)
 
 
 def test_tiny_random_prompts_arriving_at_random_steps_match_generate():
