@@ -183,7 +183,8 @@ static const tile_fn TILES[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<
 // and w is one rounding of the sum, the fp32 weight bit for bit where pack_linear found the weight
 // in this form (kernels/cpu.py). A row block's first tile decodes each k's 48 weights in registers
 // as it goes and, when further tiles follow, stores the decoded panel for them to read from L2.
-// 1.25 bytes a weight instead of 4: the decode steps that stream the weights get 2-3x faster.
+// 1.25 bytes a weight instead of 4 (0.75 as nibbles): the decode steps that stream the weights get
+// 2-3x faster (docs/kernels.md).
 constexpr int64_t QBLOCK = 32;
 constexpr int64_t PREFETCH_Q_K = 64;          // how many k ahead of the tile the block panel is fetched
 
@@ -262,8 +263,8 @@ static const block_tile_fn BLOCK_TILES[9] = {nullptr, gemm_tile_blocks<1, NIBBLE
 
 // The tiles of out = x @ W^T, panels to threads, rows in blocks (above). `first_tile(p, t, decoded)`
 // runs panel p's first tile of a row block and returns the fp32 panel the block's later tiles read
-// (`decoded` is the thread's buffer for it); those tiles also fetch the thread's next panel into L2,
-// `panel_bytes` from `next_panel + p * panel_bytes`, a share each.
+// (`decoded` is the thread's buffer for it); those tiles also fetch the thread's next panel into L2
+// (`panel_bytes` at `panels + (p + 1) * panel_bytes`: fp32 or block panels), a share each.
 template <typename FirstTile>
 static void run_tiles(const float* xp, float* op, int64_t M, int64_t K, int64_t N, int64_t P,
                       const char* panels, int64_t panel_bytes, bool needs_buffer, FirstTile first_tile) {
