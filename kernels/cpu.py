@@ -10,9 +10,9 @@
   though both only stream the weights); this kernel streams each panel once for up to 8 rows
   and matches MKL at thousands of rows, so one kernel serves every step. A weight that is
   exactly a dequantised GGUF Q4_1 / Q8_0 weight (the default model's) is packed as those blocks,
-  1.25 bytes a weight instead of 4, and decoded to the same fp32 values inside the kernel: the
-  arithmetic and the result are the fp32 ones, bit for bit, and the decode steps that stream the
-  weights read a third of the bytes.
+  1.25 bytes a weight (0.75 for Q4_1, two q a byte) instead of 4, and decoded to the same fp32
+  values inside the kernel: the arithmetic and the result are the fp32 ones, bit for bit, and the
+  decode steps that stream the weights read a fifth to a third of the bytes.
 - `add_rms_norm`, `rope_and_cache`, `silu_mul`: a Llama layer's elementwise steps, one call each
   instead of transformers' several small ops each, which at a decode step's few rows cost more
   than the arithmetic (engine/forward.py).
