@@ -112,14 +112,14 @@ class PackedLinear:
 def pack_linear(weight: torch.Tensor, blocks: bool = True) -> PackedLinear:
     """Block panels where the weight is exactly in block form (and `blocks`), fp32 panels otherwise."""
     weight = weight.detach().float()
-    blocks = exact_blocks(weight) if blocks else None
-    if blocks is None:
-        return PackedLinear(weight.shape[0], _panels(weight, weight.shape[1]))
-    q, scale, offset = blocks
-    panels = _panels(q, q.shape[1])
+    found = exact_blocks(weight) if blocks else None
+    if found is None:
+        return PackedLinear(weight.shape[0], _panels(weight))
+    q, scale, offset = found
+    panels = _panels(q)
     if q.min() >= 0 and q.max() <= 15:          # Q4_1 throughout: two 4-bit q a byte
         panels = _nibbles(panels)
-    return PackedLinear(weight.shape[0], panels, _panels(scale, scale.shape[1]), _panels(offset, offset.shape[1]))
+    return PackedLinear(weight.shape[0], panels, _panels(scale), _panels(offset))
 
 
 def _nibbles(panels: torch.Tensor) -> torch.Tensor:
@@ -129,10 +129,10 @@ def _nibbles(panels: torch.Tensor) -> torch.Tensor:
     return torch.cat([q[..., :16] | q[..., 16:32] << 4, q[..., 32:40] | q[..., 40:] << 4], dim=-1).contiguous()
 
 
-def _panels(matrix: torch.Tensor, k: int) -> torch.Tensor:
+def _panels(matrix: torch.Tensor) -> torch.Tensor:
     """`[N, k]` -> `[ceil(N / 48), k, 48]`, zero past N."""
     padded = F.pad(matrix, (0, 0, 0, -matrix.shape[0] % PANEL))
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    return padded.view(-1, PANEL, matrix.shape[1]).transpose(1, 2).contiguous()
 
 
 def exact_blocks(weight: torch.Tensor, rows_at_once: int = 4096):
