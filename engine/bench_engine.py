@@ -55,18 +55,19 @@ def linear_flops_per_token(model) -> tuple[int, int]:
     return 2 * layers, 2 * model.lm_head.weight.numel()
 
 
-def best_gemm_rate(model, rows=(64, 128, 256), repeats=20) -> float:
+def best_gemm_rate(model, rows=(64, 128, 256), repeats=20, tiles: bool = False) -> float:
     """Best fp32 FLOP/s over the model's own weights, of MKL (F.linear) and of the engine's packed
-    kernel (kernels/cpu.py) on fp32 panels and, for a weight in block form, on its blocks:
-    whichever is fastest."""
+    kernel (kernels/cpu.py) on fp32 panels and, for a weight in block form, on its blocks, all on
+    the FMA units: whichever is fastest. `tiles`: instead the engine's block weights on the AMX tile
+    unit (fp32-accurate, exact bf16 parts; 0 where there is no AMX or no weight in block form)."""
     weights = {tuple(m.weight.shape): m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    gemms = [F.linear]
-    if cpu.available():
-        for blocks in (False, True):
+    gemms = [] if tiles else [F.linear]
+    if cpu.available() and (cpu.amx_available() or not tiles):
+        for blocks in (False, True) if not tiles else (True,):
             packed = {shape: cpu.pack_linear(weight, blocks) for shape, weight in weights.items()}
             if blocks and all(p.scale is None for p in packed.values()):
                 break                               # no weight in block form: the fp32 panels again
-            gemms.append(lambda x, weight, packed=packed: cpu.packed_linear(x, packed[tuple(weight.shape)]))
+            gemms.append(lambda x, weight, packed=packed: cpu.packed_linear(x, packed[tuple(weight.shape)], 1 if tiles else None))
     best = 0.0
     for m in rows:
         for weight in weights.values():
@@ -141,9 +142,9 @@ def streamed_weight_bytes(model) -> int:
     return packed + norms
 
 
-def machine_rates(model) -> tuple[float, float]:
-    """(best GEMM FLOP/s, read bytes/s) at this moment."""
-    return best_gemm_rate(model), read_bandwidth()
+def machine_rates(model) -> tuple[float, float, float]:
+    """(best fp32 GEMM FLOP/s on the FMA units, read bytes/s, best on the AMX tile unit) at this moment."""
+    return best_gemm_rate(model), read_bandwidth(), best_gemm_rate(model, tiles=True)
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -343,7 +344,7 @@ def main(argv=None) -> int:
     param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     packed_bytes = streamed_weight_bytes(loaded.model)
     rates.append(machine_rates(loaded.model))
-    gemm, bandwidth = (max(sample) for sample in zip(*rates))
+    gemm, bandwidth, tile_gemm = (max(sample) for sample in zip(*rates))
     floor_s = flops / gemm
     param_floor, stream_floor = param_bytes / bandwidth, packed_bytes / bandwidth
 
@@ -359,7 +360,14 @@ def main(argv=None) -> int:
               f"{(per_layer + per_head) / 1e6:.0f} per generated token) at the best GEMM rate measured here "
               f"({gemm / 1e9:.0f} GFLOP/s, the best of three samples through the run) = {floor_s:.1f} s, "
               f"i.e. {useful / floor_s:.0f} useful tok/s; "
-              f"batchtop reaches {floor_s / ours:.0%} of it.", ""]
+              f"batchtop reaches {floor_s / ours:.0%} of it."]
+    if tile_gemm:
+        lines += [f"The engine's block-weight products of {cpu.AMX_MIN_ROWS} rows or more run on the AMX tile unit "
+                  f"instead (fp32-accurate: the q and three bf16 parts of x multiply exactly, docs/kernels.md), at "
+                  f"up to {tile_gemm / 1e9:.0f} GFLOP/s on these shapes ({tile_gemm / gemm:.2f}x the rate above); at "
+                  f"that rate the floor would be {flops / tile_gemm:.1f} s and batchtop reaches "
+                  f"{flops / tile_gemm / ours:.0%} of it."]
+    lines += [""]
     lines += step_table(steps, digits=1)
     roofline_s = roofline_floor(prompts, lengths, per_layer, per_head, gemm, stream_floor)
     lines += ["", f"Weight-streaming floor of one step: {param_bytes / 1e6:.0f} MB of fp32 parameters at "

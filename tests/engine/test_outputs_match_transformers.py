@@ -63,12 +63,17 @@ def run_engine(loaded, prompts, **config):
     dict(max_num_seqs=3, long_prefill_token_threshold=8),
     dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=9),
 ], ids=["batched", "chunked-prefill", "preempting"])
-def test_smollm2_matches_transformers_generate(smollm2, smollm2_reference, config):
+def test_smollm2_matches_transformers_generate(smollm2, smollm2_reference, config, monkeypatch):
     prompts, expected = smollm2_reference
     assert len(set(map(len, prompts))) >= 8
+    rows = []
+    product = cpu.packed_linear
+    monkeypatch.setattr(cpu, "packed_linear", lambda x, packed: rows.append(len(x)) or product(x, packed))
     completions = run_engine(smollm2, prompts, **config)
     for prompt, completion, reference in zip(CHAT_PROMPTS, completions, expected):
         assert completion.token_ids == reference, prompt
+    if cpu.amx_available():
+        assert max(rows) >= cpu.AMX_MIN_ROWS > min(rows), "steps on the AMX tile unit and on the FMA path"
     if "num_kv_blocks" in config:
         assert sum(c.num_preemptions for c in completions) > 0, "the small pool was meant to force preemptions"
 

@@ -115,9 +115,43 @@ def test_a_weight_in_gguf_blocks_is_packed_as_blocks_with_the_fp32_result_bit_fo
     else:
         assert packed.panels.shape[-1] == cpu.PANEL // 2 and packed.nbytes < fp32.nbytes / 5
     x = torch.randn(rows, in_features)
-    out = cpu.packed_linear(x, packed)
+    out = cpu.packed_linear(x, packed, amx_min_rows=None)
     assert torch.equal(out, cpu.packed_linear(x, fp32)), "the blocks decode to the same weights, summed in the same order"
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4 * in_features ** 0.5, rtol=1e-5)
+
+
+needs_amx = pytest.mark.skipif(not cpu.amx_available(), reason="no AMX tile unit (or no permission for it)")
+
+
+def max_error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float:
+    return (out.double() - x.double() @ weight.double().T).abs().max().item()
+
+
+@needs_amx
+@pytest.mark.parametrize("q8_rows", [False, True], ids=["Q4_1: nibbles", "Q4_1 and Q8_0: int8"])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (50, 64), (576, 1536)])
+# 1, 17: partial row tiles; 130 at K=1536 and 300 at K=576: more rows than one row block (tiles converted up front)
+@pytest.mark.parametrize("rows", [1, 17, 24, 64, 130, 300])
+def test_the_tile_unit_product_is_as_accurate_as_the_fma_path(rows, out_features, in_features, q8_rows):
+    weight = gguf_weight(out_features, in_features, seed=rows + 7, q8_rows=q8_rows)
+    packed = cpu.pack_linear(weight)
+    # x over many binades: its three bf16 parts must carry all 24 bits of every value
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g) * 2.0 ** torch.randint(-30, 30, (rows, in_features), generator=g)
+    tiles, fma = cpu.packed_linear(x, packed, amx_min_rows=1), cpu.packed_linear(x, packed, amx_min_rows=None)
+    assert not torch.equal(tiles, fma), "another summation order: the tile path ran"
+    assert max_error(tiles, x, weight) <= 1.5 * max_error(fma, x, weight)
+    torch.testing.assert_close(tiles, fma, atol=1e-4 * x.abs().max().item() * in_features ** 0.5, rtol=1e-5)
+
+
+@needs_amx
+def test_the_tile_unit_serves_from_amx_min_rows_and_the_fma_path_below():
+    weight = gguf_weight(96, 64, seed=3)
+    packed, fp32 = cpu.pack_linear(weight), cpu.pack_linear(weight, blocks=False)
+    for rows in (cpu.AMX_MIN_ROWS - 1, cpu.AMX_MIN_ROWS):
+        x = torch.randn(rows, 64)
+        on_fma_path = torch.equal(cpu.packed_linear(x, packed), cpu.packed_linear(x, fp32))
+        assert on_fma_path == (rows < cpu.AMX_MIN_ROWS)
 
 
 @pytest.mark.parametrize("q8_rows", [False, True])
