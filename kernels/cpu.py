@@ -15,7 +15,8 @@
   decode steps that stream the weights read a fifth to a third of the bytes. Where the CPU has
   AMX (`amx_available()`), a block weight's products of 24 rows or more run on the tile unit instead:
   q is exact in bf16 and x the exact sum of three bf16 parts, so the products are exact and the
-  sums fp32 -- the fp32 path's accuracy, not its rounding order -- at ~1.4x the FMA path's speed.
+  sums fp32 -- the fp32 path's accuracy, not its rounding order -- at 1.2-1.4x the FMA path's
+  speed (32 to 2048 rows, docs/kernels.md).
 - `add_rms_norm`, `rope_and_cache`, `silu_mul`: a Llama layer's elementwise steps, one call each
   instead of transformers' several small ops each, which at a decode step's few rows cost more
   than the arithmetic (engine/forward.py).
