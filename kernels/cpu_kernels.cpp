@@ -266,9 +266,9 @@ static void gemm_tile_blocks(const float* __restrict x, int64_t K, const uint8_t
 // is the GGUF weights' product with fp32 sums: not the FMA path's rounding order, its accuracy
 // (tests: the error against float64 is no larger than the FMA path's). The scale changes every 32 k,
 // one tile multiply's depth, so a 16-row x 16-column tile's C is stored after each block's 3 multiplies
-// and added, scaled, into registers while the tile unit runs the next block's. A tile load costs about
-// a multiply from L2 and three from L3 (a 16 x 16 x 32 unit: 3 multiplies ~21 ns alone, ~38 ns with
-// their 4 tile loads from L2, ~105 from L3), so a row block's x parts and a panel's tiles stay in L2.
+// and added, scaled, into registers while the tile unit runs the next block's. The tile loads cost as
+// much as the multiplies (a 16 x 16 x 32 unit's 3 multiplies: ~21 ns alone, ~38 ns with its 4 tile
+// loads from L2, ~105 ns from L3), so a row block's x parts and a panel's tiles stay in L2.
 // The whole model's products, one process: 32 rows 1.2x the FMA path, 64 1.3x, 256 1.35x, 2048 1.4x.
 #ifdef BATCHTOP_AMX
 constexpr int64_t AMX_X_BLOCK_BYTES = 1 << 20;  // x parts of a row block, kept in L2 while the panels pass
@@ -325,9 +325,7 @@ static void split_x(const float* xp, int64_t M, int64_t K, uint16_t* parts, floa
 template <bool NIBBLES>
 static void tile_panel(const uint8_t* q, int64_t K, uint32_t* out) {
     constexpr int64_t ROW_BYTES = NIBBLES ? PANEL / 2 : PANEL;
-    const vec16 one[3] = {{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
-                          {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}};
-    const vec16 zero[3] = {};
+    const vec16 one[3] = {vec16{} + 1.f, vec16{} + 1.f, vec16{} + 1.f}, zero[3] = {};
     for (int64_t k = 0; k < K; k += 2) {
         vec16 even[3], odd[3];
         decode_k<NIBBLES>(q + k * ROW_BYTES, one, zero, even);          // q as floats: exact in bf16
