@@ -67,7 +67,8 @@ def best_gemm_rate(model, rows=(64, 128, 256), repeats=20, tiles: bool = False) 
             packed = {shape: cpu.pack_linear(weight, blocks) for shape, weight in weights.items()}
             if blocks and all(p.scale is None for p in packed.values()):
                 break                               # no weight in block form: the fp32 panels again
-            gemms.append(lambda x, weight, packed=packed: cpu.packed_linear(x, packed[tuple(weight.shape)], 1 if tiles else None))
+            amx_min_rows = 1 if tiles else None
+            gemms.append(lambda x, weight, packed=packed: cpu.packed_linear(x, packed[tuple(weight.shape)], amx_min_rows))
     best = 0.0
     for m in rows:
         for weight in weights.values():

@@ -41,8 +41,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 EXTENSION = "batchtop_cpu_kernels"
 PANEL = 48                     # output columns per packed panel; the kernel's micro-tile width
 BLOCK = 32                     # k per scale and offset of a block-packed weight (GGUF's block size)
-AMX_MIN_ROWS = 24              # from this many rows a block weight's product runs on the AMX tile unit, where there is one:
-                               # the whole model's products, one process: 24 rows level with the FMA path, 20 rows 10% slower
+# From this many rows a block weight's product runs on the AMX tile unit, where there is one (the
+# whole model's products, one process: 24 rows level with the FMA path, 20 rows 10% slower).
+AMX_MIN_ROWS = 24
 
 _lock = threading.Lock()
 _module = None
