@@ -55,23 +55,29 @@ def linear_flops_per_token(model) -> tuple[int, int]:
     return 2 * layers, 2 * model.lm_head.weight.numel()
 
 
-def best_gemm_rate(model, rows=(64, 128, 256), repeats=20, tiles: bool = False) -> float:
-    """Best fp32 FLOP/s over the model's own weights, of MKL (F.linear) and of the engine's packed
-    kernel (kernels/cpu.py) on fp32 panels and, for a weight in block form, on its blocks, all on
-    the FMA units: whichever is fastest. `tiles`: instead the engine's block weights on the AMX tile
-    unit (fp32-accurate, exact bf16 parts; 0 where there is no AMX or no weight in block form)."""
+def best_gemm_rates(model, rows=(64, 128, 256), repeats=20) -> tuple[float, float]:
+    """(FMA, tiles): the best fp32 FLOP/s over the model's own weights on the FMA units -- MKL's
+    F.linear and the engine's packed kernel (kernels/cpu.py) on fp32 panels and, for weights in block
+    form, on their blocks, whichever is fastest -- and of the engine's block weights on the AMX tile
+    unit (fp32-accurate through exact bf16 parts; 0 where there is no AMX or no weight in block form)."""
     weights = {tuple(m.weight.shape): m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    gemms = [] if tiles else [F.linear]
-    if cpu.available() and (cpu.amx_available() or not tiles):
-        for blocks in (False, True) if not tiles else (True,):
-            packed = {shape: cpu.pack_linear(weight, blocks) for shape, weight in weights.items()}
-            if blocks and all(p.scale is None for p in packed.values()):
-                break                               # no weight in block form: the fp32 panels again
-            amx_min_rows = 1 if tiles else None
-            gemms.append(lambda x, weight, packed=packed: cpu.packed_linear(x, packed[tuple(weight.shape)], amx_min_rows))
+    fma, tiles = [F.linear], []
+    if cpu.available():
+        fp32 = {shape: cpu.pack_linear(weight, blocks=False) for shape, weight in weights.items()}
+        fma.append(lambda x, weight: cpu.packed_linear(x, fp32[tuple(weight.shape)]))
+        blocks = {shape: cpu.pack_linear(weight) for shape, weight in weights.items()}
+        if any(p.scale is not None for p in blocks.values()):     # else the fp32 panels again
+            fma.append(lambda x, weight: cpu.packed_linear(x, blocks[tuple(weight.shape)], amx_min_rows=None))
+            if cpu.amx_available():
+                tiles.append(lambda x, weight: cpu.packed_linear(x, blocks[tuple(weight.shape)], amx_min_rows=1))
+    return best_rate(fma, weights.values(), rows, repeats), best_rate(tiles, weights.values(), rows, repeats)
+
+
+def best_rate(gemms, weights, rows, repeats) -> float:
+    """The best FLOP/s of any of `gemms(x, weight)` over the weights at each row count (0: none)."""
     best = 0.0
     for m in rows:
-        for weight in weights.values():
+        for weight in weights:
             x = torch.randn(m, weight.shape[1])
             for gemm in gemms:
                 gemm(x, weight)
@@ -145,7 +151,8 @@ def streamed_weight_bytes(model) -> int:
 
 def machine_rates(model) -> tuple[float, float, float]:
     """(best fp32 GEMM FLOP/s on the FMA units, read bytes/s, best on the AMX tile unit) at this moment."""
-    return best_gemm_rate(model), read_bandwidth(), best_gemm_rate(model, tiles=True)
+    fma, tiles = best_gemm_rates(model)
+    return fma, read_bandwidth(), tiles
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -12,6 +12,11 @@
 #include <unistd.h>
 #endif
 
+template <typename T>
+static inline T* aligned64(void* p) {                 // the first 64-byte boundary at or after p
+    return (T*)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+}
+
 static inline void prefetch_floats(const float* p, int64_t n) {
     for (int64_t f = 0; f < n; f += 16) __builtin_prefetch(p + f);      // one 64-byte line per 16 floats
 }
@@ -348,7 +353,7 @@ static torch::Tensor amx_linear_blocks(const torch::Tensor& x, const uint8_t* qp
     auto out = torch::empty({M, N}, x.options());
     auto parts_memory = torch::empty({row_tiles * blocks * 3 * 512 + 32}, x.options().dtype(torch::kShort));
     auto sums_memory = torch::empty({row_tiles * blocks * 16}, x.options());
-    uint16_t* parts = (uint16_t*)(((uintptr_t)parts_memory.data_ptr() + 63) & ~(uintptr_t)63);
+    uint16_t* parts = aligned64<uint16_t>(parts_memory.data_ptr());
     const float* sums = sums_memory.data_ptr<float>();
     float* op = out.data_ptr<float>();
     split_x(x.data_ptr<float>(), M, K, parts, sums_memory.data_ptr<float>());
@@ -359,7 +364,7 @@ static torch::Tensor amx_linear_blocks(const torch::Tensor& x, const uint8_t* qp
     const int64_t block_tiles = std::max<int64_t>(1, AMX_X_BLOCK_BYTES / (blocks * 3 * 1024));
     const bool up_front = row_tiles > block_tiles;
     auto tiles_memory = torch::empty({(up_front ? P : 0) * panel_tiles * 2 + 32}, x.options().dtype(torch::kShort));
-    uint32_t* all_tiles = (uint32_t*)(((uintptr_t)tiles_memory.data_ptr() + 63) & ~(uintptr_t)63);
+    uint32_t* all_tiles = aligned64<uint32_t>(tiles_memory.data_ptr());
     if (up_front)
         at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
             for (int64_t p = begin; p < end; ++p) convert(p, all_tiles + p * panel_tiles);
@@ -369,7 +374,7 @@ static torch::Tensor amx_linear_blocks(const torch::Tensor& x, const uint8_t* qp
         for (int t = 0; t < 8; ++t) { config.rows[t] = 16; config.bytes_per_row[t] = 64; }
         _tile_loadconfig(&config);
         std::vector<uint32_t> buffer(up_front ? 0 : panel_tiles + 16);
-        uint32_t* own = (uint32_t*)(((uintptr_t)buffer.data() + 63) & ~(uintptr_t)63);
+        uint32_t* own = aligned64<uint32_t>(buffer.data());
         alignas(64) float c[2][16][16];
         for (int64_t t0 = 0; t0 < row_tiles; t0 += block_tiles) {              // one block of rows ...
             for (int64_t p = begin; p < end; ++p) {                            // ... against each of the thread's panels
@@ -449,7 +454,7 @@ static void run_tiles(const float* xp, float* op, int64_t M, int64_t K, int64_t 
         const int64_t tiles = (M + 7) / 8, panel_lines = panel_bytes / 64;
         const int64_t block_tiles = std::max<int64_t>(1, X_BLOCK_FLOATS / (8 * K));
         std::vector<float> buffer(needs_buffer && tiles > 1 ? K * PANEL + LINE_FLOATS : 0);
-        float* decoded = (float*)(((uintptr_t)buffer.data() + 63) & ~(uintptr_t)63);
+        float* decoded = aligned64<float>(buffer.data());
         for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {          // one block of rows ...
             const int64_t t1 = std::min(tiles, t0 + block_tiles);
             const int64_t share = t1 - t0 > 1 ? (panel_lines + t1 - t0 - 2) / (t1 - t0 - 1) : 0;   // lines per later tile
