@@ -12,11 +12,8 @@ Endpoints: /v1/completions, /v1/chat/completions (SSE with `stream`), /v1/models
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import itertools
 import json
-import socket
 import threading
 import time
 import uuid
@@ -28,41 +25,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from batchtop.telemetry.stream import (SSE_HEADERS, BearerAuth, EventRing, bind_socket, check_bind, error_body,
+                                       events_response)
+
 from .loop import EngineLoop
 from .sampling import SamplingParams
-from .server_events import EventRing, event_stream, resolve_start
 from .server_metrics import ServerMetrics
 from .server_openai import (ApiError, ChatCompletionRequest, CompletionRequest, KnobUpdate, TextStream,
-                            error_body, message_text, stop_strings)
+                            message_text, stop_strings)
 
 PUMP_INTERVAL_S = 0.05
 GREEDY_BELOW = 1e-5
 MIN_TOP_P = 1e-6          # the sampler compares in float32: 5e-324 would become 0 and drop every token
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ERROR_RESPONSES = {code: {"description": text, "content": {"application/json": {}}}
                    for code, text in ((400, "invalid request"), (401, "missing or wrong API key"),
                                       (404, "unknown model, route or request"))}
-
-
-def check_bind(host: str, api_key: str | None) -> None:
-    """Without an API key only loopback may be bound: ValueError otherwise."""
-    if api_key:
-        return
-    if not is_loopback(host):
-        raise ValueError(f"refusing to bind {host!r} without --api-key: without a key the server only "
-                         f"listens on loopback (127.0.0.1, ::1, localhost)")
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 class _Pending:
@@ -370,26 +347,6 @@ class BatchtopServer:
                 "next_seq": self.ring.next_seq}
 
 
-class BearerAuth:
-    """Pure ASGI middleware (streaming-safe): every HTTP request needs `Authorization: Bearer KEY`."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                message = "missing Authorization header" if not given else "incorrect API key"
-                response = JSONResponse(error_body(f"{message}: send `Authorization: Bearer <key>`",
-                                                   code="invalid_api_key"),
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(server: BatchtopServer) -> FastAPI:
     from contextlib import asynccontextmanager
 
@@ -437,14 +394,11 @@ def build_app(server: BatchtopServer) -> FastAPI:
                          "older than the server's history.")
     async def events(request: Request, from_step: Union[int, None] = Query(None, ge=0, le=2**62)):
         server.pump()
-        last_id = request.headers.get("last-event-id")
-        if last_id is not None and not last_id.strip().isdigit():
-            raise ApiError(400, f"Last-Event-ID must be an event seq (an integer), got {last_id!r}",
-                           param="Last-Event-ID")
-        start, notice = resolve_start(server.ring, last_id.strip() if last_id else None, from_step)
-        return StreamingResponse(event_stream(server.ring, start, server.hello(), notice,
-                                              closing=lambda: server.closing),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            return events_response(server.ring, request.headers.get("last-event-id"), from_step, server.hello(),
+                                   closing=lambda: server.closing)
+        except ValueError as error:
+            raise ApiError(400, str(error), param="Last-Event-ID") from None
 
     @app.get("/v1/knobs", responses=ERROR_RESPONSES)
     async def get_knobs():
@@ -541,16 +495,6 @@ def serve(server: BatchtopServer, host: str = "127.0.0.1", port: int = 8000, *, 
         uvicorn_server(server, access_log=access_log).run(sockets=[sock])
     finally:
         server.loop.stop()
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host.strip("[]"), port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 class ServerThread:

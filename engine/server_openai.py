@@ -10,6 +10,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from batchtop.telemetry.stream import error_body
+
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1       # torch.Generator.manual_seed's range
 
 
@@ -23,11 +25,6 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class StreamOptions(BaseModel):

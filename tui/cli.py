@@ -197,7 +197,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from batchtop.engine.server import build_server, check_bind, serve
+    from batchtop.engine.server import build_server, serve
+    from batchtop.telemetry.stream import check_bind
     check_bind(args.host, args.api_key)          # before the model load: fail fast
     server = build_server(engine_config(args), api_key=args.api_key, model_name=args.served_model_name,
                           event_history=args.event_history)

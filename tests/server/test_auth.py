@@ -5,7 +5,8 @@ import httpx
 import openai
 import pytest
 
-from batchtop.engine.server import ServerThread, check_bind, is_loopback
+from batchtop.engine.server import ServerThread
+from batchtop.telemetry.stream import check_bind, is_loopback
 from batchtop.tui.cli import main
 from conftest import API_KEY
 

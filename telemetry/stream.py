@@ -1,19 +1,32 @@
-"""The server's event history and its server-sent-event stream.
+"""The event stream over HTTP: the history ring, server-sent events with resume, bind and key rules.
+
+Every server that publishes batchtop's events (`batchtop serve`, and batchtop's scheduler
+inside vLLM) speaks this protocol, so one client (`batchtop top --url`) follows either.
 
 Every telemetry event gets a sequence number (`seq`, from 1, without holes) as it enters
 a bounded ring; the SSE `id:` of an event is its seq, so a client that reconnects with
 `Last-Event-ID: <seq>` gets exactly the events after it: no gap, no duplicate. A client may
 instead ask `?from_step=N` (every event of step N onwards). When the requested point has
 already left the ring the stream says so first (`event: gap`) and continues from the oldest
-event kept. Used from the server's asyncio thread only.
+event kept. The ring is used from the server's asyncio thread only.
+
+Without an API key a server binds loopback only; with one, every HTTP request needs
+`Authorization: Bearer KEY` (`BearerAuth`, compared in constant time).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
+import socket
 
-from batchtop.telemetry.events import Event
-from batchtop.telemetry.recorder import encode_event
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .events import Event
+from .recorder import encode_event
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class EventRing:
@@ -134,3 +147,72 @@ async def event_stream(ring: EventRing, start: int, hello: dict, notice: dict | 
             if quiet_s >= heartbeat_s:
                 quiet_s = 0.0
                 yield ": keep-alive\n\n"
+
+
+def events_response(ring: EventRing, last_event_id: str | None, from_step: int | None, hello: dict, *,
+                    closing=lambda: False) -> StreamingResponse:
+    """The `GET /v1/events` answer; ValueError when `Last-Event-ID` is not an event seq."""
+    if last_event_id is not None and not last_event_id.strip().isdigit():
+        raise ValueError(f"Last-Event-ID must be an event seq (an integer), got {last_event_id!r}")
+    start, notice = resolve_start(ring, last_event_id.strip() if last_event_id else None, from_step)
+    return StreamingResponse(event_stream(ring, start, hello, notice, closing=closing),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """An OpenAI-shaped error body."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Without an API key only loopback may be bound: ValueError otherwise."""
+    if api_key:
+        return
+    if not is_loopback(host):
+        raise ValueError(f"refusing to bind {host!r} without --api-key: without a key the server only "
+                         f"listens on loopback (127.0.0.1, ::1, localhost)")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+
+
+class BearerAuth:
+    """Pure ASGI middleware (streaming-safe): every HTTP request needs `Authorization: Bearer KEY`."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "missing Authorization header" if not given else "incorrect API key"
+                response = JSONResponse(error_body(f"{message}: send `Authorization: Bearer <key>`",
+                                                   code="invalid_api_key"),
+                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
