@@ -51,7 +51,7 @@ class HeaderBar(Static):
         line.append(f"  {rates.steps_per_s:.1f} st/s  in {fmt_rate(rates.prefill_tok_per_s)}"
                     f" out {fmt_rate(rates.output_tok_per_s)} tok/s  ")
         line.append(f"{meta.get('model') or '?'}", style="bold")
-        line.append(f" {meta.get('device') or ''} {knobs.get('batching_mode', '?')}"
+        line.append(f" {meta.get('device') or ''} {knobs.get('batching_mode') or meta.get('batching_mode') or '?'}"
                     f"/{meta.get('layout') or knobs.get('layout') or '?'}"
                     f"/{knobs.get('preemption_mode') or meta.get('preemption_mode') or '?'}")
         line.append("\n")
@@ -86,7 +86,8 @@ class SlotGrid(Static):
         rows_free = max(1, self.size.height - legend.count("\n") - 2)
         cell = 2 if num_slots * 2 <= width * rows_free else 1
         per_row = max(1, width // cell)
-        text = Text(f"batch {model.num_occupied_span}/{num_slots} slots"
+        mirrored = " (mirrored from vLLM's input batch)" if self.app.source.meta.get("slots") == "mirrored" else ""
+        text = Text(f"batch{mirrored} {model.num_occupied_span}/{num_slots} slots"
                     f"  padding {model.num_padding_rows}\n", style="bold")
         for slot in range(num_slots):
             kind, _ = model.slot_kind(slot)

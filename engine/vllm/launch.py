@@ -54,6 +54,7 @@ class VllmOptions:
     num_gpu_blocks_override: int | None = None      # a small KV pool (vLLM's switch for testing preemption)
     kv_cache_gib: float = 2.0                       # VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = False                     # skip torch.compile: starts in ~20 s instead of ~100
+    omp_threads: int | None = None                  # OMP_NUM_THREADS of vLLM's worker (None: vLLM's choice)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -75,6 +76,8 @@ def vllm_env(options: VllmOptions, base: dict | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.update(VLLM_CPU_KVCACHE_SPACE=f"{options.kv_cache_gib:g}", VLLM_CPU_OMP_THREADS_BIND="nobind",
                HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if options.omp_threads is not None:
+        env["OMP_NUM_THREADS"] = str(options.omp_threads)
     if options.events_port is not None:
         env["BATCHTOP_EVENTS_PORT"] = str(options.events_port)
     return env

@@ -1,0 +1,218 @@
+"""vLLM's scheduling decisions as batchtop's events (the schema and meanings of docs/events.md).
+
+`StepObserver` is driven by batchtop's scheduler class from vLLM's own hooks: a request
+added, `schedule()` returned a `SchedulerOutput`, a request was preempted inside it,
+`update_from_output()` returned the step's outputs, requests were finished from outside
+(aborts). It reads vLLM's objects and never changes them.
+
+A step is a `SchedulerOutput` that schedules tokens. Its plan events (preemptions,
+admissions, row moves, `StepPlanned`) are emitted when it is scheduled, its outcome
+(`PrefillChunk`, `FirstToken`, `RequestRetired`, `StepFinished`) when its output comes
+back. Under async scheduling vLLM plans step N+1 before N's output returns: N+1's plan is
+then held back until N has finished, so the stream reads plan N, finish N, plan N+1, as
+for batchtop's engine, and step numbers never decrease.
+
+Timings: `schedule_s` is `schedule()`, `forward_s` the time from the end of `schedule()` to
+the start of `update_from_output()` (the worker's whole step: inputs, forward, sampling,
+as the scheduler sees it), `update_s` is `update_from_output()`; `prepare_s` and
+`sample_s` are 0 (inside the worker).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+from batchtop.telemetry import events as ev
+
+from .slots import TOKEN_ID_BYTES, InputBatchMirror
+
+
+class _Track:
+    """What batchtop keeps of one live request: counts the events report."""
+    __slots__ = ("num_prompt_tokens", "arrival_time", "num_output_tokens", "got_first_token")
+
+    def __init__(self, num_prompt_tokens: int, arrival_time: float):
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrival_time = arrival_time        # vLLM's, time.time() when the API server took the request
+        self.num_output_tokens = 0
+        self.got_first_token = False
+
+
+class _Step:
+    """One scheduled step, from its `SchedulerOutput` until its output comes back."""
+    __slots__ = ("output", "step", "plan", "prefill_rows", "scheduled_at", "schedule_s")
+
+    def __init__(self, output, step: int, plan: list, prefill_rows: list, scheduled_at: float, schedule_s: float):
+        self.output = output
+        self.step = step                # 0: an empty schedule (nothing computed), not a step
+        self.plan = plan                # (event type, fields) not yet emitted
+        self.prefill_rows = prefill_rows    # (request id, tokens, computed after, known)
+        self.scheduled_at = scheduled_at
+        self.schedule_s = schedule_s
+
+
+class StepObserver:
+    def __init__(self, sink: Callable[[ev.Event], None], *, blocks_of: Callable[[str], int],
+                 kv_usage: Callable[[], tuple[int, int]]):
+        self._sink = sink
+        self._blocks_of = blocks_of         # exact KV blocks a request holds now
+        self._kv_usage = kv_usage           # (blocks used, blocks total)
+        self.mirror = InputBatchMirror()
+        self.step = 0                       # the last step scheduled
+        self._emitted_step = 0              # the last step whose plan was emitted
+        self._tracks: dict[str, _Track] = {}
+        self._in_flight: deque[_Step] = deque()
+        self._known_before: dict[str, int] = {}
+        self._preempted: list[tuple[type, dict]] = []
+
+    def _emit(self, kind: type, step: int | None = None, **fields) -> None:
+        self._sink(kind(step=self._emitted_step if step is None else step, t=time.monotonic(), **fields))
+
+    # -- requests in and out ----------------------------------------------------------------
+
+    def arrived(self, request) -> None:
+        self._tracks[request.request_id] = _Track(request.num_prompt_tokens, request.arrival_time)
+        self._emit(ev.RequestArrived, request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
+                   max_tokens=request.max_tokens, priority=request.priority)
+
+    def finished_outside(self, requests) -> None:
+        """Requests that `finish_requests()` ended (aborts from the API server)."""
+        for request in requests:
+            self._retire(request.request_id, str(request.get_finished_reason()))
+
+    def _retire(self, request_id: str, reason: str) -> None:
+        track = self._tracks.pop(request_id, None)
+        if track is None:
+            return
+        self._emit(ev.RequestRetired, request_id=request_id, reason=reason,
+                   slot=self.mirror.slot_of.get(request_id, -1), num_prompt_tokens=track.num_prompt_tokens,
+                   num_output_tokens=track.num_output_tokens)
+
+    # -- schedule() ---------------------------------------------------------------------------
+
+    def before_schedule(self, running) -> None:
+        """Known tokens of the running requests before `schedule()` advances their counts."""
+        self._known_before = {r.request_id: r.num_tokens + r.num_output_placeholders for r in running}
+        self._preempted = []
+
+    def preempting(self, request) -> None:
+        """Inside `schedule()`, just before vLLM frees the victim's blocks."""
+        self._preempted.append((ev.RequestPreempted, dict(
+            request_id=request.request_id, slot=self.mirror.slot_of.get(request.request_id, -1),
+            blocks_freed=self._blocks_of(request.request_id), tokens_to_recompute=request.num_computed_tokens,
+            reason="kv pool exhausted")))
+
+    def scheduled(self, output, requests: dict, token_budget: int, counts: tuple[int, int],
+                  schedule_s: float) -> None:
+        """`schedule()` returned `output`; `requests` is the scheduler's request table."""
+        cached = output.scheduled_cached_reqs
+        scheduled_ids = output.num_scheduled_tokens
+        to_add = [r.req_id for r in output.scheduled_new_reqs] + list(cached.req_ids)
+        old_slots = dict(self.mirror.slot_of)
+        update = self.mirror.update(output.finished_req_ids, scheduled_ids.keys(), cached.resumed_req_ids, to_add,
+                                    lambda request_id: requests[request_id].num_tokens)
+        plan = self._preempted
+        self._preempted = []
+        admitted = dict(update.added)
+        for new in output.scheduled_new_reqs:     # num_computed_tokens > 0: a prefix-cache hit
+            plan.append((ev.RequestAdmitted, dict(request_id=new.req_id, slot=admitted[new.req_id],
+                                                  num_computed_tokens=new.num_computed_tokens, resumed=False)))
+        for request_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if request_id in cached.resumed_req_ids:
+                plan.append((ev.RequestAdmitted, dict(request_id=request_id, slot=admitted[request_id],
+                                                      num_computed_tokens=computed, resumed=True)))
+            elif request_id in admitted:     # running, left out of an earlier step: its row was rebuilt
+                plan.append((ev.RowMoved, dict(request_id=request_id, from_slot=old_slots.get(request_id, -1),
+                                               to_slot=admitted[request_id],
+                                               num_bytes=requests[request_id].num_tokens * TOKEN_ID_BYTES)))
+        for move in update.moves:
+            plan.append((ev.RowMoved, dict(request_id=move.request_id, from_slot=move.from_slot,
+                                           to_slot=move.to_slot, num_bytes=move.num_bytes)))
+        if update.added or update.num_removed:
+            plan.append((ev.BatchRebuilt, dict(layout="vllm", rows_kept=update.num_kept, rows_added=len(update.added),
+                                               rows_removed=update.num_removed, rows_moved=len(update.moves),
+                                               num_bytes=sum(m.num_bytes for m in update.moves))))
+        step = 0
+        prefill_rows = []
+        if output.total_num_scheduled_tokens > 0:
+            self.step = step = self.step + 1
+            prefill_rows, planned = self._rows(scheduled_ids, requests)
+            used, total = self._kv_usage()
+            plan.append((ev.StepPlanned, dict(**planned, num_padding_rows=0, token_budget=token_budget,
+                                              num_running=counts[0], num_waiting=counts[1], kv_blocks_used=used,
+                                              kv_blocks_total=total)))
+        record = _Step(output, step, plan, prefill_rows, time.perf_counter(), schedule_s)
+        self._in_flight.append(record)
+        if len(self._in_flight) == 1:
+            self._emit_plan(record)
+
+    def _rows(self, scheduled_ids: dict[str, int], requests: dict) -> tuple[list, dict]:
+        """Split the scheduled rows: a row is decode when it computes one token, the last known one,
+        and that token is an output token; every other row is prefill (a recompute after a preemption
+        included)."""
+        prefill_rows = []
+        prefill_tokens = num_decode = 0
+        known_before = self._known_before
+        for request_id, num_tokens in scheduled_ids.items():
+            request = requests[request_id]
+            computed = request.num_computed_tokens            # already advanced by this step
+            known = known_before.get(request_id, request.num_tokens)
+            if num_tokens == 1 and computed == known and known > request.num_prompt_tokens:
+                num_decode += 1
+            else:
+                prefill_tokens += num_tokens
+                prefill_rows.append((request_id, num_tokens, computed, known))
+        return prefill_rows, dict(prefill_tokens=prefill_tokens, decode_tokens=num_decode,
+                                  num_prefill_rows=len(prefill_rows), num_decode_rows=num_decode)
+
+    def _emit_plan(self, record: _Step) -> None:
+        step = record.step or self._emitted_step
+        for kind, fields in record.plan:
+            self._emit(kind, step, **fields)
+        record.plan = []
+        self._emitted_step = step
+
+    # -- update_from_output() -----------------------------------------------------------------
+
+    def updated(self, output, engine_outputs: dict, counts: tuple[int, int], update_s: float) -> None:
+        """`update_from_output(output, ...)` returned `engine_outputs` (client index -> EngineCoreOutputs)."""
+        record = self._take(output)
+        if record is None:
+            return
+        forward_s = max(0.0, time.perf_counter() - update_s - record.scheduled_at)
+        step = record.step or self._emitted_step
+        for request_id, num_tokens, computed, known in record.prefill_rows:
+            self._emit(ev.PrefillChunk, step, request_id=request_id, num_tokens=num_tokens,
+                       num_computed_tokens=computed, num_known_tokens=known)
+        sampled = []
+        for outputs in engine_outputs.values():
+            for out in outputs.outputs:
+                track = self._tracks.get(out.request_id)
+                if track is None:
+                    continue
+                if out.new_token_ids:
+                    sampled.append(out.request_id)
+                    track.num_output_tokens += len(out.new_token_ids)
+                    if not track.got_first_token:
+                        track.got_first_token = True
+                        self._emit(ev.FirstToken, step, request_id=out.request_id,
+                                   ttft_s=max(0.0, time.time() - track.arrival_time))
+                if out.finish_reason is not None:
+                    self._retire(out.request_id, str(out.finish_reason))
+        if record.step:
+            used, total = self._kv_usage()
+            self._emit(ev.StepFinished, step, num_rows=len(output.num_scheduled_tokens),
+                       num_tokens=output.total_num_scheduled_tokens, sampled_request_ids=tuple(sampled),
+                       num_running=counts[0], num_waiting=counts[1], kv_blocks_used=used, kv_blocks_total=total,
+                       schedule_s=record.schedule_s, prepare_s=0.0, forward_s=forward_s, sample_s=0.0,
+                       update_s=update_s)
+        if self._in_flight:
+            self._emit_plan(self._in_flight[0])
+
+    def _take(self, output) -> _Step | None:
+        for i, record in enumerate(self._in_flight):
+            if record.output is output:
+                del self._in_flight[i]
+                return record
+        return None

@@ -1,0 +1,185 @@
+"""batchtop's scheduler classes for vLLM V1: vLLM decides, batchtop watches and turns the knobs.
+
+    python -m vllm.entrypoints.openai.api_server --model M \\
+        --scheduler-cls batchtop.engine.vllm.scheduler.BatchtopScheduler
+
+`BatchtopScheduler` subclasses vLLM's `Scheduler` (synchronous scheduling: vLLM's CPU
+build, or `--no-async-scheduling`); `BatchtopAsyncScheduler` subclasses `AsyncScheduler`
+(pass it where vLLM schedules asynchronously, its default on GPUs: a custom class that
+subclasses the plain `Scheduler` switches async scheduling off).
+
+Both wrap `schedule()`, `update_from_output()`, `add_request()`, `finish_requests()` and
+`_preempt_request()` and leave every decision to vLLM: they only observe, except that the
+user's knob changes and pause apply between steps (control.py). The events go to the side
+endpoint on $BATCHTOP_EVENTS_PORT (+ the data-parallel rank), which `batchtop top --url`
+follows. A guest in vLLM's process: this module imports only batchtop's telemetry and vLLM;
+a failure in batchtop's part is logged once and switches batchtop off, vLLM keeps serving.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import vllm
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from batchtop.telemetry import events as ev
+from batchtop.telemetry.bus import EventLog
+
+from .control import Controls
+from .observer import StepObserver
+
+SUPPORTED_VLLM = ("0.32.",)
+EVENT_BUFFER = 200_000          # events held for the endpoint between its drains
+logger = init_logger(f"vllm.{__name__}")      # through vLLM's log handler
+
+
+def check_vllm_version(version: str = vllm.__version__) -> None:
+    if not version.startswith(SUPPORTED_VLLM):
+        raise RuntimeError(f"batchtop's scheduler class supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
+                           f"this is vLLM {version}. Start vLLM without --scheduler-cls, or install a supported "
+                           f"vLLM (batchtop reads scheduler internals that change between versions).")
+
+
+class BatchtopMixin:
+    """The observing part, shared by both classes; `self` is a vLLM scheduler."""
+
+    def __init__(self, *args, **kwargs):
+        check_vllm_version()
+        super().__init__(*args, **kwargs)
+        self.batchtop_events = EventLog(maxlen=EVENT_BUFFER)
+        self.batchtop_observer: StepObserver | None = None
+        self.batchtop_controls: Controls | None = None
+        self.batchtop_endpoint = None
+        try:
+            self._batchtop_start()
+        except Exception:
+            logger.exception("batchtop: could not start; vLLM goes on without it")
+            self.batchtop_observer = None
+
+    def _batchtop_start(self) -> None:
+        emit = self.batchtop_events.append
+        self.batchtop_observer = StepObserver(emit, blocks_of=self._batchtop_blocks_of,
+                                              kv_usage=self._batchtop_kv_usage)
+
+        def announce(name, old, new, source):
+            emit(ev.KnobChanged(step=self.batchtop_observer.step, t=time.monotonic(), name=name, old=old, new=new,
+                                source=source))
+
+        def refuse(command, message):
+            emit(ev.CommandRefused(step=self.batchtop_observer.step, t=time.monotonic(), command=command,
+                                   message=message))
+
+        def note_paused(paused):
+            kind = ev.EnginePaused if paused else ev.EngineResumed
+            emit(kind(step=self.batchtop_observer.step, t=time.monotonic()))
+
+        self.batchtop_controls = Controls(self, announce, refuse, note_paused)
+        port = os.environ.get("BATCHTOP_EVENTS_PORT")
+        if port:
+            from .endpoint import start_endpoint
+            self.batchtop_endpoint = start_endpoint(self, int(port) + self._batchtop_rank())
+
+    def _batchtop_rank(self) -> int:
+        return int(self.vllm_config.parallel_config.data_parallel_rank)
+
+    def _batchtop_blocks_of(self, request_id: str) -> int:
+        return sum(len(ids) for ids in self.kv_cache_manager.get_block_ids(request_id))
+
+    def _batchtop_kv_usage(self) -> tuple[int, int]:
+        pool = self.kv_cache_manager.block_pool
+        total = pool.num_gpu_blocks - 1                 # block 0 is vLLM's null block, never handed out
+        return total - pool.get_num_free_blocks(), total
+
+    def _batchtop_failed(self, where: str) -> None:
+        logger.exception("batchtop: %s failed; batchtop's events stop here, vLLM goes on", where)
+        self.batchtop_observer = None
+
+    # -- vLLM's hooks ----------------------------------------------------------------------
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        observer = self.batchtop_observer
+        if observer is not None and request.request_id in self.requests:
+            try:
+                observer.arrived(request)
+            except Exception:
+                self._batchtop_failed("add_request")
+
+    def finish_requests(self, request_ids, finished_status):
+        finished = super().finish_requests(request_ids, finished_status)
+        observer = self.batchtop_observer
+        if observer is not None and finished:
+            try:
+                observer.finished_outside(finished)
+            except Exception:
+                self._batchtop_failed("finish_requests")
+        return finished
+
+    def _preempt_request(self, request, timestamp, *args, **kwargs):
+        observer = self.batchtop_observer
+        if observer is not None:
+            try:
+                observer.preempting(request)
+            except Exception:
+                self._batchtop_failed("preemption")
+        return super()._preempt_request(request, timestamp, *args, **kwargs)
+
+    def schedule(self, *args, **kwargs):
+        observer, controls = self.batchtop_observer, self.batchtop_controls
+        if observer is None:
+            return super().schedule(*args, **kwargs)
+        try:
+            may_run = controls.before_step()
+            observer.before_schedule(self.running)
+        except Exception:
+            self._batchtop_failed("before schedule")
+            return super().schedule(*args, **kwargs)
+        started = time.perf_counter()
+        if may_run:
+            output = super().schedule(*args, **kwargs)
+        else:
+            output = self._batchtop_schedule_nothing(*args, **kwargs)
+        schedule_s = time.perf_counter() - started
+        try:
+            observer.scheduled(output, self.requests, self.max_num_scheduled_tokens, self.get_request_counts(),
+                               schedule_s)
+        except Exception:
+            self._batchtop_failed("schedule")
+        return output
+
+    def _batchtop_schedule_nothing(self, *args, **kwargs):
+        """Paused: vLLM's own schedule() with a token budget of 0 (what its PAUSED_ALL state does), so
+        requests keep their state and the engine's loop goes on (it sees requests, and serves aborts)."""
+        budget, self.max_num_scheduled_tokens = self.max_num_scheduled_tokens, 0
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = budget
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        started = time.perf_counter()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        observer = self.batchtop_observer
+        if observer is not None:
+            try:
+                observer.updated(scheduler_output, outputs, self.get_request_counts(), time.perf_counter() - started)
+            except Exception:
+                self._batchtop_failed("update_from_output")
+        return outputs
+
+    def shutdown(self) -> None:
+        endpoint = self.batchtop_endpoint
+        if endpoint is not None:
+            endpoint.stop()
+        super().shutdown()
+
+
+class BatchtopScheduler(BatchtopMixin, Scheduler):
+    """vLLM's synchronous `Scheduler`, observed by batchtop."""
+
+
+class BatchtopAsyncScheduler(BatchtopMixin, AsyncScheduler):
+    """vLLM's `AsyncScheduler` (async scheduling), observed by batchtop."""

