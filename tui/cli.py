@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(demo)
     demo.set_defaults(func=cmd_demo)
     _add_server_commands(sub)
+    _add_vllm_commands(sub)
     add_dashboard_commands(sub)
     _add_record_commands(sub)
     return parser
@@ -307,6 +308,36 @@ def add_dashboard_commands(sub) -> None:
     replay.add_argument("--speed", type=float, default=1.0, help="playback speed")
     replay.add_argument("--paused", action="store_true", help="start paused at the beginning")
     replay.set_defaults(func=cmd_replay)
+
+
+def _add_vllm_commands(sub) -> None:
+    vllm = sub.add_parser("vllm", help="vLLM (from .venv-vllm) with batchtop's scheduler class inside")
+    vsub = vllm.add_subparsers(dest="vllm_command", required=True)
+    serve = vsub.add_parser("serve", help="start vLLM's OpenAI server with batchtop's scheduler class and its "
+                                          "event endpoint (then: batchtop top --url http://HOST:EVENTS_PORT)")
+    serve.add_argument("--model", default="smollm2", help="smollm2 (batchtop's converted copy) or a model folder")
+    serve.add_argument("--served-model-name", default="smollm2")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8100, help="vLLM's OpenAI API")
+    serve.add_argument("--events-port", type=int, default=None,
+                       help="batchtop's event endpoint (default: PORT + 1; + the data-parallel rank)")
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-model-len", type=int, default=2048)
+    serve.add_argument("--num-gpu-blocks-override", type=int, default=None, help="a small KV pool, in vLLM blocks")
+    serve.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    serve.add_argument("--enforce-eager", action="store_true", help="no torch.compile: a faster start")
+    kind = serve.add_mutually_exclusive_group()
+    kind.add_argument("--async-scheduling", action="store_true",
+                      help="BatchtopAsyncScheduler (vLLM's async scheduling; vLLM's CPU build schedules synchronously)")
+    kind.add_argument("--stock", action="store_true", help="vLLM's own scheduler: /metrics only")
+    serve.add_argument("--print-command", action="store_true", help="print the command line and exit")
+    serve.add_argument("vllm_args", nargs="*", help="more vLLM arguments, after --")
+    serve.set_defaults(func=cmd_vllm_serve)
+
+
+def cmd_vllm_serve(args) -> int:
+    from batchtop.engine.vllm.launch import serve_vllm
+    return serve_vllm(args)
 
 
 def cmd_dashboard(args) -> int:

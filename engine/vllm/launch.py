@@ -52,7 +52,7 @@ class VllmOptions:
     max_num_seqs: int = 64
     max_model_len: int = 2048
     num_gpu_blocks_override: int | None = None      # a small KV pool (vLLM's switch for testing preemption)
-    kv_cache_gib: float = 2.0                       # VLLM_CPU_KVCACHE_SPACE
+    kv_cache_gib: int = 2                           # VLLM_CPU_KVCACHE_SPACE (vLLM reads an integer)
     enforce_eager: bool = False                     # skip torch.compile: starts in ~20 s instead of ~100
     omp_threads: int | None = None                  # OMP_NUM_THREADS of vLLM's worker (None: vLLM's choice)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
@@ -74,7 +74,7 @@ def vllm_command(options: VllmOptions) -> list[str]:
 
 def vllm_env(options: VllmOptions, base: dict | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    env.update(VLLM_CPU_KVCACHE_SPACE=f"{options.kv_cache_gib:g}", VLLM_CPU_OMP_THREADS_BIND="nobind",
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(options.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
                HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     if options.omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(options.omp_threads)
@@ -167,3 +167,28 @@ def shell_line(options: VllmOptions) -> str:
     """The command as a user would type it, environment first."""
     env = vllm_env(options, base={})
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(vllm_command(options))
+
+
+def serve_vllm(args) -> int:
+    """`batchtop vllm serve`: print the command, then become vLLM (Ctrl+C stops it as it stops vLLM)."""
+    reason = vllm_available()
+    if reason:
+        raise ValueError(reason)
+    model = args.model
+    if model == "smollm2":
+        from batchtop.engine.model import smollm2_folder
+        model = str(smollm2_folder(print))
+    scheduler = None if args.stock else ASYNC_SCHEDULER_CLS if args.async_scheduling else SCHEDULER_CLS
+    options = VllmOptions(model=model, served_model_name=args.served_model_name, port=args.port, host=args.host,
+                          scheduler_cls=scheduler, events_port=None if args.stock else args.events_port or args.port + 1,
+                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                          num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_gib=args.kv_cache_gib,
+                          enforce_eager=args.enforce_eager,
+                          extra_args=tuple(args.vllm_args) + (("--async-scheduling",) if args.async_scheduling else ()))
+    print(shell_line(options), flush=True)
+    if args.print_command:
+        return 0
+    if options.events_port is not None:
+        print(f"batchtop: the dashboard: batchtop top --url http://{options.host}:{options.events_port}", flush=True)
+    command = vllm_command(options)
+    os.execve(command[0], command, vllm_env(options))

