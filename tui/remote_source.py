@@ -77,7 +77,7 @@ class RemoteSource(Source):
         self.meta = {**self.meta, "model": state.get("model"), "preemption_mode": knobs.get("preemption_mode")}
         engine = state.get("engine")        # another engine's facts (batchtop's scheduler inside vLLM)
         if engine:
-            self.meta.update(device=f"{engine} {self.url}", slots=state.get("slots"),
+            self.meta.update(device=engine, slots=state.get("slots"),
                              **{k: state[k] for k in ("batching_mode", "layout", "preemption_mode") if k in state})
 
     @property
