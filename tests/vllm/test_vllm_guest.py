@@ -1,0 +1,115 @@
+"""The part of batchtop that runs inside vLLM: what it imports, its version gate, its event order
+under async scheduling, and a failure of its own that vLLM survives."""
+from __future__ import annotations
+
+import ast
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from batchtop.engine.vllm.launch import launch_vllm, vllm_python
+from batchtop.engine.vllm.observer import StepObserver
+from batchtop.telemetry import events as ev
+from vllm_helpers import START_TIMEOUT_S, options, skip_reason
+
+GUEST = ("scheduler", "observer", "slots", "control", "endpoint")
+GUEST_DIR = Path(__file__).resolve().parents[2] / "engine" / "vllm"
+ALLOWED_TOP = {"vllm", "fastapi", "pydantic", "uvicorn", "__future__"} | set(sys.stdlib_module_names)
+
+
+def test_the_guest_modules_import_only_batchtop_telemetry_and_what_vllm_installs():
+    for name in GUEST:
+        tree = ast.parse((GUEST_DIR / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:                      # relative: must be another guest module
+                    assert node.module in GUEST, f"{name}.py imports .{node.module}"
+                    continue
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                assert top in ALLOWED_TOP or module.startswith("batchtop.telemetry"), f"{name}.py imports {module}"
+
+
+def test_another_vllm_version_is_refused_with_a_clear_message():
+    if skip_reason():
+        pytest.skip(f"no vLLM here: {skip_reason()}")
+    code = ("from batchtop.engine.vllm.scheduler import check_vllm_version\n"
+            "check_vllm_version()\n"
+            "try:\n    check_vllm_version('0.31.0')\nexcept RuntimeError as e:\n    print(e)\n")
+    done = subprocess.run([str(vllm_python()), "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "supports vLLM 0.32.x; this is vLLM 0.31.0" in done.stdout
+
+
+def _request(rid: str, prompt: int, outputs: int = 0, computed: int = 0):
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt, num_tokens=prompt + outputs,
+                           num_output_placeholders=0, num_computed_tokens=computed, max_tokens=8, priority=0,
+                           arrival_time=0.0)
+
+
+def _output(new: dict[str, int], scheduled: dict[str, int], requests: dict):
+    for rid, n in scheduled.items():
+        requests[rid].num_computed_tokens += n
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=0) for r in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r in scheduled if r not in new], resumed_req_ids=set(),
+                                              num_computed_tokens=[0] * len([r for r in scheduled if r not in new])),
+        num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+        finished_req_ids=set())
+
+
+def test_under_async_scheduling_the_stream_reads_plan_finish_plan_with_steps_in_order():
+    """vLLM's async scheduling plans step N+1 before N's outputs: the observer holds N+1 back."""
+    events = []
+    observer = StepObserver(events.append, blocks_of=lambda rid: 1, kv_usage=lambda: (1, 5))
+    requests = {"a": _request("a", 4)}
+    observer.arrived(requests["a"])
+    observer.before_schedule([])
+    first = _output({"a": 4}, {"a": 4}, requests)                  # step 1: the prompt
+    observer.scheduled(first, requests, 64, (1, 0), 0.001)
+    requests["a"].num_output_placeholders = 1                     # async: step 2 planned on a placeholder
+    observer.before_schedule([requests["a"]])
+    second = _output({}, {"a": 1}, requests)
+    observer.scheduled(second, requests, 64, (1, 0), 0.001)
+    assert [type(e) for e in events][-1] is ev.StepPlanned and events[-1].step == 1
+    token = SimpleNamespace(outputs=[SimpleNamespace(request_id="a", new_token_ids=[7], finish_reason=None)])
+    observer.updated(first, {0: token}, (1, 0), 0.001)
+    requests["a"].num_tokens, requests["a"].num_output_placeholders = 5, 0
+    observer.updated(second, {0: token}, (1, 0), 0.001)
+    kinds = [(type(e).__name__, e.step) for e in events if isinstance(e, (ev.StepPlanned, ev.StepFinished))]
+    assert kinds == [("StepPlanned", 1), ("StepFinished", 1), ("StepPlanned", 2), ("StepFinished", 2)]
+    assert [e.step for e in events] == sorted(e.step for e in events)
+    planned = [e for e in events if isinstance(e, ev.StepPlanned)]
+    assert (planned[0].prefill_tokens, planned[0].decode_tokens) == (4, 0)
+    assert (planned[1].prefill_tokens, planned[1].decode_tokens) == (0, 1)     # the placeholder's decode row
+
+
+def test_vllm_keeps_serving_when_batchtops_part_fails_to_start(tmp_path):
+    """The event port is taken: batchtop logs why and switches itself off; vLLM serves on."""
+    if skip_reason():
+        pytest.skip(f"no vLLM here: {skip_reason()}")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        server = launch_vllm(options(port=8115, events_port=port), log_path=tmp_path / "vllm.log")
+        try:
+            server.wait_healthy(START_TIMEOUT_S)
+            answer = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                                json={"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        finally:
+            server.stop()
+    log = (tmp_path / "vllm.log").read_text()
+    assert "batchtop: could not start; vLLM goes on without it" in log
+    assert "Address already in use" in log
