@@ -60,6 +60,11 @@ class BatchtopMixin:
             self.batchtop_observer = None
 
     def _batchtop_start(self) -> None:
+        port = os.environ.get("BATCHTOP_EVENTS_PORT")
+        if not port:
+            logger.warning("batchtop: BATCHTOP_EVENTS_PORT is not set, so nobody could read batchtop's events: "
+                           "the scheduler runs as vLLM's own")
+            return
         emit = self.batchtop_events.append
         self.batchtop_observer = StepObserver(emit, blocks_of=self._batchtop_blocks_of,
                                               kv_usage=self._batchtop_kv_usage)
@@ -77,10 +82,8 @@ class BatchtopMixin:
             emit(kind(step=self.batchtop_observer.step, t=time.monotonic()))
 
         self.batchtop_controls = Controls(self, announce, refuse, note_paused)
-        port = os.environ.get("BATCHTOP_EVENTS_PORT")
-        if port:
-            from .endpoint import start_endpoint
-            self.batchtop_endpoint = start_endpoint(self, int(port) + self._batchtop_rank())
+        from .endpoint import start_endpoint
+        self.batchtop_endpoint = start_endpoint(self, int(port) + self._batchtop_rank())
 
     def _batchtop_rank(self) -> int:
         return int(self.vllm_config.parallel_config.data_parallel_rank)
