@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
 
+from .bench_doc import write_section
 from .config import EngineConfig
 from .engine import Engine
 from .forward import supports
@@ -37,7 +38,6 @@ from .model import LoadedModel, load_model, smollm2_folder
 from .runner import flat_forward_for
 from .sampling import SamplingParams
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 SECTION = "## Engine: batchtop vs transformers"
 CUDA_SECTION = "## Engine on CUDA: batchtop vs transformers"
 
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
                             steps, bracket)
         print(text)
         if not args.no_write:
-            write_section(text, CUDA_SECTION)
+            write_section(CUDA_SECTION, text)
         return 0
     param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     packed_bytes = streamed_weight_bytes(loaded.model)
@@ -396,7 +396,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
     return 0
 
 
@@ -442,21 +442,11 @@ def telemetry_main(args) -> int:
         f"| off | {off:.2f} | 1.000 |", f"| recorder | {recorder:.2f} | {recorder / off:.3f} |", ""])
     print(text)
     if not args.no_write:
-        write_section(text, TELEMETRY_SECTION)
+        write_section(TELEMETRY_SECTION, text)
     return 0
 
 
 TELEMETRY_SECTION = "## Telemetry overhead"
-
-
-def write_section(text: str, section: str = SECTION) -> None:
-    """Replace this benchmark's section of docs/benchmarks.md, leaving the other sections alone."""
-    old = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    if section in old:
-        start = old.index(section)
-        end = old.find("\n## ", start + len(section))
-        old = old[:start] + old[end + 1:] if end != -1 else old[:start]
-    DOCS.write_text(old.rstrip("\n") + "\n\n" + text)
 
 
 if __name__ == "__main__":

@@ -16,20 +16,18 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
 from . import bench_serving as bs
+from .bench_doc import write_section
 from .config import EngineConfig
 
 SECTION = "## Server overhead and sweep"
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 
 def free_port() -> int:
@@ -127,16 +125,6 @@ def render(args, result: dict, points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(doc):
-        doc = pattern.sub(lambda _: text + "\n", doc)
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
-    DOC.write_text(doc)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -153,7 +141,7 @@ def main(argv=None) -> int:
     text = render(args, result, points)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
     return 0
 
 

@@ -11,38 +11,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import re
 import signal
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 from batchtop.engine import bench_serving as bs
+from batchtop.engine.bench_doc import commit, cpu_name, write_section
 
 from .launch import SCHEDULER_CLS, VllmOptions, launch_vllm
 
 SECTION = "## batchtop's scheduler class inside vLLM"
-DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 TARGET_LOSS = 0.02
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=DOC.parent).stdout.strip() or "?"
-    except OSError:
-        return "?"
 
 
 def run(args) -> dict:
@@ -109,13 +89,6 @@ def render(args, samples: dict) -> str:
         f"negative: the batchtop server was faster, which is noise of this size).", ""])
 
 
-def write_section(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    doc = pattern.sub(lambda _: text + "\n", doc) if pattern.search(doc) else doc.rstrip("\n") + "\n\n" + text + "\n"
-    DOC.write_text(doc)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -130,7 +103,7 @@ def main(argv=None) -> int:
     text = render(args, run(args))
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
     return 0
 
 

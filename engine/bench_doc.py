@@ -1,0 +1,37 @@
+"""Where the benchmarks write: one section of docs/benchmarks.md each, and the facts a figure carries."""
+from __future__ import annotations
+
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def write_section(section: str, text: str, doc: Path = DOCS) -> None:
+    """Replace the section headed `section` (up to the next `## `) with `text`, or append it; the other
+    sections stay as they are."""
+    old = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: text.rstrip("\n") + "\n\n", old).rstrip("\n") + "\n"
+    else:
+        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
+    doc.write_text(new)
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=DOCS.parent).stdout.strip() or "?"
+    except OSError:
+        return "?"

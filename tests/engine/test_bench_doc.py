@@ -1,0 +1,11 @@
+"""The benchmarks' one way to write their section of docs/benchmarks.md."""
+from batchtop.engine.bench_doc import write_section
+
+
+def test_a_section_is_replaced_in_place_or_appended_and_the_others_stay(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nintro\n\n## A\n\nold a\n\n## B\n\nold b\n")
+    write_section("## A", "## A\n\nnew a\n", doc)
+    write_section("## C", "## C\n\nc", doc)
+    write_section("## B", "## B\n\nnew b\n", doc)
+    assert doc.read_text() == "# Benchmarks\n\nintro\n\n## A\n\nnew a\n\n## B\n\nnew b\n\n## C\n\nc\n"
