@@ -18,36 +18,30 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"vLLM tests skipped: {reason}", yellow=True)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory):
-    """(LaunchedServer, events url) of vLLM with BatchtopScheduler and its side endpoint."""
+def _launched(tmp_path_factory, name: str, settings):
     reason = skip_reason()
     if reason:
         pytest.skip(f"no vLLM here: {reason}")
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = launch_vllm(options(), log_path=log)
+    server = launch_vllm(settings, log_path=tmp_path_factory.mktemp(name) / "vllm.log")
     try:
         server.wait_healthy(START_TIMEOUT_S)
-        yield server, f"http://127.0.0.1:{EVENTS_PORT}"
+        yield server
     finally:
         server.stop()
         assert not server.group_alive(), "a vLLM process outlived its test session"
 
 
 @pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """(LaunchedServer, events url) of vLLM with BatchtopScheduler and its side endpoint."""
+    for server in _launched(tmp_path_factory, "vllm", options()):
+        yield server, f"http://127.0.0.1:{EVENTS_PORT}"
+
+
+@pytest.fixture(scope="session")
 def stock_vllm(tmp_path_factory):
     """vLLM as shipped (its own scheduler), same settings: the reference for token identity."""
-    reason = skip_reason()
-    if reason:
-        pytest.skip(f"no vLLM here: {reason}")
-    log = tmp_path_factory.mktemp("vllm-stock") / "vllm.log"
-    server = launch_vllm(options(port=STOCK_PORT, events_port=None, scheduler_cls=None), log_path=log)
-    try:
-        server.wait_healthy(START_TIMEOUT_S)
-        yield server
-    finally:
-        server.stop()
-        assert not server.group_alive()
+    yield from _launched(tmp_path_factory, "vllm-stock", options(port=STOCK_PORT, events_port=None, scheduler_cls=None))
 
 
 @pytest.fixture
