@@ -61,7 +61,14 @@ def test_outputs_with_graphs_equal_outputs_without(tiny, dtype, config, monkeypa
         outputs[mode] = [c.token_ids for c in engine.generate(prompts, params)]
         padded = sum(e.num_padded_tokens for e in events if isinstance(e, ev.StepFinished))
         assert (padded > 0) == (mode != "off")
-    assert outputs["on"] == outputs["off"] and outputs["eager"] == outputs["off"]
+    assert outputs["on"] == outputs["eager"], "a replay computes what the eager forward over the same buffers does"
+    if dtype == "float32":
+        assert outputs["on"] == outputs["off"]
+    else:
+        # padding changes the GEMMs' row count, and cuBLAS may then round a bf16 product differently: a near
+        # tie of the tiny random model's logits can flip; most requests must still agree token for token
+        same = sum(a == b for a, b in zip(outputs["on"], outputs["off"]))
+        assert same >= 0.9 * len(prompts), f"{same} of {len(prompts)} requests identical in bf16"
 
 
 def test_no_device_to_host_copy_inside_a_step_but_the_sampled_tokens(tiny):
