@@ -48,6 +48,11 @@ class GraphCapture:
     memory_bytes: int            # device memory taken while capturing (free memory before - after)
     seconds: float
 
+    @property
+    def summary(self) -> str:
+        return (f"{len(self.sizes)} CUDA graphs for {self.sizes[0]}-{self.sizes[-1]} rows, "
+                f"{self.memory_bytes / 2**20:.0f} MiB, {self.seconds:.1f} s")
+
 
 class StepBuffers:
     """The graphs' inputs at the largest size, allocated once and written in place every step.
@@ -198,6 +203,5 @@ class DecodeGraphs:
                 self.graphs[size] = graph
             torch.cuda.synchronize()
             report = GraphCapture(self.sizes, free_before - torch.cuda.mem_get_info()[0], time.perf_counter() - start)
-        log.info("captured CUDA graphs for decode steps of %s rows: %.1f MiB in %.1f s",
-                 ", ".join(map(str, report.sizes)), report.memory_bytes / 2**20, report.seconds)
+        log.info("decode steps: %s (sizes %s)", report.summary, ", ".join(map(str, report.sizes)))
         return report

@@ -9,7 +9,7 @@ import torch
 
 from batchtop.engine.config import EngineConfig
 from batchtop.engine.engine import Engine
-from batchtop.engine.graphs import capture_sizes
+from batchtop.engine.graphs import GraphCapture, capture_sizes
 from batchtop.engine.model import load_model
 from batchtop.engine.runner import Runner
 from batchtop.engine.sampling import SamplingParams
@@ -29,6 +29,7 @@ def test_capture_sizes_pad_few_rows():
     assert capture_sizes(10) == (1, 2, 4, 8, 10)
     assert capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert capture_sizes(1) == (1,)
+    assert GraphCapture((1, 2, 4), 3 * 2**20, 1.5).summary == "3 CUDA graphs for 1-4 rows, 3 MiB, 1.5 s"
 
 
 def test_a_step_takes_the_smallest_size_that_holds_it(tiny):

@@ -40,6 +40,8 @@ def test_graphs_are_captured_at_start_and_reported(tiny):
     assert graphs.sizes == capture_sizes(32) == (1, 2, 4, 8, 16, 24, 32)
     assert set(graphs.graphs) == set(graphs.sizes)
     assert graphs.capture.sizes == graphs.sizes and graphs.capture.memory_bytes > 0 and graphs.capture.seconds > 0
+    from batchtop.tui.sources import _device_name
+    assert _device_name(engine).startswith("cuda:0 (7 CUDA graphs for 1-32 rows, "), "the dashboard header's device"
     assert cuda_engine(tiny, "off").runner.decode_graphs is None
 
 
