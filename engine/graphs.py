@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .step_inputs import StepInputs
+
 if TYPE_CHECKING:
-    from .runner import Runner, StepInputs
+    from .runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,6 @@ class StepBuffers:
 
     def inputs(self, size: int, num_rows: int, logits_indices: torch.Tensor, max_seq_len: int) -> StepInputs:
         """The step as views of the buffers at `size` rows: the same tensors (shapes, addresses) every time."""
-        from .runner import StepInputs
         return StepInputs(
             input_ids=self.tokens[0, :size], positions=self.tokens[1, :size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
