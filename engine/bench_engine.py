@@ -13,7 +13,10 @@ the engine's own kernel's), and the decode step time at 1..256 rows against the 
 
 runs the same contenders on a GPU (its own section, without the CPU floors); --random-weights
 builds SmolLM2's architecture with seeded random weights for a machine that has the tokenizer
-in the cache but not the weights (the same work per token; the text is meaningless).
+in the cache but not the weights (the same work per token; the text is meaningless). On a GPU
+batchtop runs with its decode steps replayed from CUDA graphs and again without them
+(`--cuda-graphs both`, the default there; `on` or `off` runs one), the decode step times side by
+side, with the graphs' capture cost and the share of tokens they padded.
 """
 from __future__ import annotations
 
@@ -264,9 +267,17 @@ def telemetry_overhead(loaded, prompts, lengths, rounds: int = 3, **config) -> t
     return best["off"], best["recorder"]
 
 
-def decode_step_times(loaded, rows_list=(1, 4, 16, 64, 256), context=128, steps=8, **config) -> dict[int, float]:
-    engine = Engine(EngineConfig(model=loaded.name, max_num_seqs=max(rows_list), max_num_batched_tokens=8192,
-                                 kv_cache_mb=4096, **config), loaded=loaded)
+DECODE_ROWS = (1, 4, 16, 64, 256)
+
+
+def decode_engine(loaded, rows_list=DECODE_ROWS, **config) -> Engine:
+    """An engine sized for `decode_step_times` (on a GPU its graphs are captured here)."""
+    return Engine(EngineConfig(model=loaded.name, max_num_seqs=max(rows_list), max_num_batched_tokens=8192,
+                               kv_cache_mb=4096, **config), loaded=loaded)
+
+
+def decode_step_times(engine, rows_list=DECODE_ROWS, context=128, steps=8) -> dict[int, float]:
+    """The median wall time of a decode step (sampled tokens read back included) at each row count."""
     times = {}
     for rows in rows_list:
         ids = [engine.add_request([1000 + i] * context, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
@@ -295,6 +306,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--random-weights", action="store_true",
                         help="SmolLM2's architecture with seeded random weights (needs only its tokenizer)")
+    parser.add_argument("--cuda-graphs", choices=["both", "on", "off"], default="both",
+                        help="on a GPU: batchtop with decode steps from CUDA graphs, without, or both (default)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.telemetry:
@@ -317,6 +330,8 @@ def main(argv=None) -> int:
         print(f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt + {useful} output tokens; "
               f"{flops / 1e12:.2f} TFLOP; best GEMM now {rates[0][0] / 1e9:.0f} GFLOP/s", flush=True)
 
+    if not on_cpu:
+        engine_config["cuda_graphs"] = "off" if args.cuda_graphs == "off" else "on"
     batchtop_config = dict(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, **engine_config)
     batchtop_runs = [run_batchtop(loaded, prompts, lengths, **batchtop_config)]
     print(f"batchtop {batchtop_runs[0]:.1f} s", flush=True)
@@ -336,19 +351,22 @@ def main(argv=None) -> int:
     batchtop_runs.append(run_batchtop(loaded, prompts, lengths, **batchtop_config))
     print(f"batchtop again {batchtop_runs[1]:.1f} s", flush=True)
     ours = results["batchtop (continuous)"] = statistics.mean(batchtop_runs)
+    if not on_cpu and args.cuda_graphs == "both":
+        results["batchtop, CUDA graphs off"] = run_batchtop(loaded, prompts, lengths,
+                                                           **{**batchtop_config, "cuda_graphs": "off"})
+        print(f"batchtop without CUDA graphs {results['batchtop, CUDA graphs off']:.2f} s", flush=True)
     bracket = (f"batchtop's row is the mean of a run before the transformers contenders ({batchtop_runs[0]:.1f} s) "
                f"and one after them ({batchtop_runs[1]:.1f} s), so a drift of the machine's speed cancels to first order.")
 
-    steps = decode_step_times(loaded, **engine_config)
-    if on_cpu:
-        records = step_records(loaded, prompts, lengths, **batchtop_config)
     if not on_cpu:
-        text = cuda_section(args, torch.cuda.get_device_name(args.device), prompts, lengths, results, static_util,
-                            steps, bracket)
+        text = cuda_section(args, torch.cuda.get_device_name(args.device), loaded, prompts, lengths, results,
+                            static_util, batchtop_config, bracket)
         print(text)
         if not args.no_write:
             write_section(CUDA_SECTION, text)
         return 0
+    steps = decode_step_times(decode_engine(loaded, **engine_config))
+    records = step_records(loaded, prompts, lengths, **batchtop_config)
     param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     packed_bytes = streamed_weight_bytes(loaded.model)
     rates.append(machine_rates(loaded.model))
@@ -413,19 +431,75 @@ def step_table(steps: dict[int, float], digits: int) -> list[str]:
                for rows, seconds in steps.items()])
 
 
-def cuda_section(args, device_name, prompts, lengths, results, static_util, steps, bracket: str) -> str:
+def graph_padding(loaded, prompts, lengths, **config) -> tuple[int, int]:
+    """(tokens padded to fill replayed graphs, tokens computed) over one more run of the trace."""
+    padded = computed = 0
+
+    def sink(event):
+        nonlocal padded, computed
+        if isinstance(event, ev.StepFinished):
+            padded += event.num_padded_tokens
+            computed += event.num_tokens
+
+    engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded, sink=sink)
+    engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    return padded, computed
+
+
+# issue 20's targets, against the first GPU measurement (graphs did not exist then)
+TARGET_STEP_S, TARGET_STEP_ROWS, EAGER_TRACE_S, TARGET_SPEEDUP = 3e-3, 64, 5.73, 4.0
+
+
+def cuda_section(args, device_name, loaded, prompts, lengths, results, static_util, batchtop_config,
+                 bracket: str) -> str:
     useful = sum(lengths)
     weights = "seeded random weights" if args.random_weights else "its weights"
     command = " ".join(["python -m batchtop.engine.bench_engine", f"--device {args.device}", f"--dtype {args.dtype}"]
-                       + (["--random-weights"] if args.random_weights else []) + (["--skip-serial"] if args.skip_serial else []))
+                       + (["--random-weights"] if args.random_weights else []) + (["--skip-serial"] if args.skip_serial else [])
+                       + ([f"--cuda-graphs {args.cuda_graphs}"] if args.cuda_graphs != "both" else []))
     lines = [CUDA_SECTION, "",
              f"`{command}`, SmolLM2-135M's architecture with {weights}, {args.dtype}, on one {device_name}, "
              f"measured {time.strftime('%Y-%m-%d')}. The same trace as above: {len(prompts)} requests, "
              f"{sum(map(len, prompts))} prompt and {useful} output tokens.", ""]
     lines += contender_table(results, useful, digits=2)
     lines += ["", bracket, f"Static batches of 16: utilisation {static_util:.3f}.", ""]
-    lines += step_table(steps, digits=2)
+    modes = ("on", "off") if args.cuda_graphs == "both" else (batchtop_config["cuda_graphs"],)
+    steps, capture = {}, None
+    for mode in modes:
+        engine = decode_engine(loaded, device=args.device, dtype=args.dtype, cuda_graphs=mode)
+        steps[mode] = decode_step_times(engine)
+        if engine.runner.decode_graphs is not None:
+            capture = engine.runner.decode_graphs.capture
+        del engine
+    lines += graph_step_table(steps)
+    if capture is not None:
+        padded, computed = graph_padding(loaded, prompts, lengths, **batchtop_config)
+        lines += ["", f"CUDA graphs captured at start for decode steps of {', '.join(map(str, capture.sizes))} rows: "
+                  f"{capture.memory_bytes / 2**20:.0f} MiB of device memory, {capture.seconds:.1f} s (for the "
+                  f"decode-step engine, batch capacity 256). Over the trace the graphs padded {padded} tokens to "
+                  f"{computed} computed ({padded / (padded + computed):.1%} of the work)."]
+    if "on" in steps:
+        slowest = max(seconds for rows, seconds in steps["on"].items() if rows <= TARGET_STEP_ROWS)
+        speedup = EAGER_TRACE_S / results["batchtop (continuous)"]
+        lines += ["", f"Targets: a decode step of at most {TARGET_STEP_S * 1e3:.0f} ms at 1-{TARGET_STEP_ROWS} rows: "
+                  f"{'met' if slowest <= TARGET_STEP_S else 'not met'} (slowest {slowest * 1e3:.2f} ms); the trace "
+                  f"at least {TARGET_SPEEDUP:.0f}x faster than the first GPU run's {EAGER_TRACE_S} s: "
+                  f"{'met' if speedup >= TARGET_SPEEDUP else 'not met'} ({speedup:.1f}x)."]
     return "\n".join(lines + [""])
+
+
+def graph_step_table(steps: dict[str, dict[int, float]]) -> list[str]:
+    """Decode step times by rows, a column per CUDA-graphs mode, and their ratio when both ran."""
+    modes = list(steps)
+    header = "| decode rows | " + " | ".join(f"graphs {mode}: step ms" for mode in modes)
+    lines = [header + (" | off / on |" if len(modes) == 2 else " |"),
+             "|---:|" + "---:|" * (len(modes) + (len(modes) == 2))]
+    for rows in steps[modes[0]]:
+        cells = [f"{steps[mode][rows] * 1e3:.2f}" for mode in modes]
+        if len(modes) == 2:
+            cells.append(f"{steps['off'][rows] / steps['on'][rows]:.1f}x")
+        lines.append(f"| {rows} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def telemetry_main(args) -> int:

@@ -32,6 +32,7 @@ class EngineConfig:
     batch_capacity: int = 256                 # persistent-batch rows; the ceiling for max_num_seqs
     num_threads: int | None = None
     device: str = "cpu"                       # cpu, cuda or cuda:N (the Triton kernels serve attention there)
+    cuda_graphs: str = "on"                   # on: decode steps replay CUDA graphs (CUDA only); off; eager (tests)
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1, self.batch_capacity)
@@ -50,6 +51,7 @@ class EngineConfig:
         check_choice("layout", self.layout, ("condense", "indexmap", "gather"))
         check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        check_choice("cuda_graphs", self.cuda_graphs, ("on", "off", "eager"))
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

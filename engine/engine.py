@@ -74,7 +74,8 @@ class Engine:
         self._pending_batching_mode: tuple[str, str] | None = None   # (mode, source) until a batch boundary
         self.batch = PersistentBatch(config.layout, config.batch_capacity, self.max_model_len,
                                      -(-self.max_model_len // config.block_size))
-        self.runner = Runner(self.loaded.model, num_blocks, config.block_size, dtype)
+        self.runner = Runner(self.loaded.model, num_blocks, config.block_size, dtype, cuda_graphs=config.cuda_graphs,
+                             max_rows=config.batch_capacity, max_blocks_per_seq=self.batch.block_table.shape[1])
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(model_config.vocab_size)
@@ -205,12 +206,12 @@ class Engine:
         outputs = self._update(rows, sampling_rows, tokens)
         t_update = time.perf_counter()
         if self._sink is not None:
-            self._emit(ev.StepFinished, len(rows), int(inputs.input_ids.shape[0]),
+            self._emit(ev.StepFinished, len(rows), inputs.num_actual_tokens,
                        tuple(r.request.request_id for r in sampling_rows),
                        len(self.scheduler.running), len(self.scheduler.waiting),
                        self.kv.num_used_blocks, self.kv.num_blocks,
                        t_schedule - t0, t_prepare - t_schedule, t_forward - t_prepare, t_sample - t_forward,
-                       t_update - t_sample)
+                       t_update - t_sample, inputs.num_padded_tokens)
         return outputs
 
     def _update_batch(self, plan) -> None:

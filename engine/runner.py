@@ -4,11 +4,13 @@ Every op but attention runs on the flat `[sum N_i, d]` token axis; attention get
 offsets (`query_start_loc`, `seq_lens`, `block_table`, `slot_mapping`) and the paged KV
 cache. Llama models run through forward.py (transformers' modules, fused and packed
 projections); any other architecture runs transformers' own forward with the paged attention
-registered in its attention-function registry.
+registered in its attention-function registry. Decode-only steps on CUDA replay captured graphs
+(graphs.py); on a GPU nothing in a step reads the device back but the sampled tokens.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -21,21 +23,14 @@ from batchtop import kernels
 from batchtop.kernels import cpu
 
 from .forward import FlatForward, supports
+from .graphs import DecodeGraphs, capture_sizes, num_padding_blocks
+from .step_inputs import StepInputs
 
 ATTENTION_NAME = "batchtop_paged"
 TOKEN_ROWS_MAX_QUERY = 128      # longest query of a step whose attention runs as one decode-kernel row per token
+CUDA_GRAPH_MODES = ("on", "off", "eager")   # eager: the graphs' buffers and padding, run without capture
 
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor          # [num_tokens]
-    positions: torch.Tensor          # [num_tokens]
-    query_start_loc: torch.Tensor    # [num_rows + 1], exclusive prefix sum of query lengths
-    seq_lens: torch.Tensor           # [num_rows]
-    block_table: torch.Tensor        # [num_rows, max_blocks]
-    slot_mapping: torch.Tensor       # [num_tokens]
-    logits_indices: torch.Tensor     # flat index of the last token of every row that samples
-    max_query_len: int               # the longest row's number of tokens
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,7 +87,12 @@ def flat_forward_for(model) -> FlatForward:
 
 
 class Runner:
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype):
+    """`prepare` a step's rows, then `forward` them. With `cuda_graphs` on (on CUDA) or eager, decode-only
+    steps of up to `max_rows` rows go through `decode_graphs`; the KV caches then hold padding blocks
+    after the pool's `num_blocks`."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, *, cuda_graphs: str = "off",
+                 max_rows: int = 0, max_blocks_per_seq: int = 0):
         _keep_freed_memory_in_the_heap()
         self.model = model
         self.device = model.device
@@ -106,10 +106,28 @@ class Runner:
             self.flat_forward = None
             model.set_attn_implementation(ATTENTION_NAME)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
+        graph_sizes = self._graph_sizes(cuda_graphs, max_rows)
+        shape = (num_blocks + num_padding_blocks(graph_sizes, block_size), block_size, config.num_key_value_heads,
+                 head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
                            torch.zeros(shape, dtype=dtype, device=self.device))
                           for _ in range(config.num_hidden_layers)]
+        self.decode_graphs = DecodeGraphs(self, graph_sizes, max_blocks_per_seq, num_blocks,
+                                          capture=cuda_graphs == "on") if graph_sizes else None
+
+    def _graph_sizes(self, mode: str, max_rows: int) -> tuple[int, ...]:
+        """The batch sizes decode steps are padded to; none where they run eagerly."""
+        if mode not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_MODES)}, got {mode!r}")
+        if mode == "off" or (mode == "on" and self.device.type != "cuda") or max_rows < 1:
+            return ()
+        if self.flat_forward is None:
+            log.warning("CUDA graphs off: %s runs through transformers' forward", self.model.config.model_type)
+            return ()
+        if mode == "on" and kernels.resolve_backend(self.device) != "triton":
+            log.warning("CUDA graphs off: the torch attention backend reads the step's lengths back to the host")
+            return ()
+        return capture_sizes(max_rows)
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -121,8 +139,13 @@ class Runner:
         """Flatten rows into one ragged batch, vectorised over rows.
 
         Row i reads tokens `starts[i] : starts[i] + query_lens[i]` of persistent-batch row
-        `slots[i]`; `samples[i]` says whether its last token's logits are needed.
+        `slots[i]`; `samples[i]` says whether its last token's logits are needed. A decode-only step
+        that a graph holds is written into its buffers instead.
         """
+        if self.decode_graphs is not None:
+            inputs = self.decode_graphs.try_prepare(token_ids, block_table, slots, starts, query_lens, samples)
+            if inputs is not None:
+                return inputs
         query_start_loc = np.zeros(len(slots) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -134,10 +157,7 @@ class Runner:
         step_block_table = block_table[slots, :max_blocks]
         slot_mapping = (block_table[token_slots, positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
-
-        def tensor(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device)          # no copy on the CPU
-
+        tensor = self.to_device
         return StepInputs(
             input_ids=tensor(token_ids[token_slots, positions].astype(np.int64)),
             positions=tensor(positions),
@@ -147,17 +167,30 @@ class Runner:
             slot_mapping=tensor(slot_mapping),
             logits_indices=tensor(query_start_loc[1:][samples] - 1),
             max_query_len=int(query_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            num_actual_tokens=num_tokens,
         )
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """`array` on the runner's device: no copy on the CPU; on a GPU through pinned memory, without waiting."""
+        if self.device.type == "cpu":
+            return torch.from_numpy(array)
+        return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits `[num_sampling_rows, vocab]` for the rows that sample, in row order."""
+        if inputs.graph_size:
+            return self.decode_graphs.run(inputs)
         if self.flat_forward is None:
             return self._transformers_forward(inputs)
-        hidden = self.flat_forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.slot_mapping,
-                                   self._attention(inputs))
         # The LM head is a large GEMM: run it only on the tokens whose logits are sampled.
-        return self.flat_forward.logits(hidden[inputs.logits_indices])
+        return self.flat_forward.logits(self.hidden_states(inputs)[inputs.logits_indices])
+
+    def hidden_states(self, inputs: StepInputs) -> torch.Tensor:
+        """The last layer's normed hidden states of every token `[num_tokens, hidden]` (FlatForward only)."""
+        return self.flat_forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.slot_mapping,
+                                 self._attention(inputs))
 
     def _attention(self, inputs: StepInputs):
         """The step's attention over K/V already in the caches, `attend(layer_index, query, scale)`."""
@@ -174,8 +207,14 @@ class Runner:
                 block_table = inputs.block_table.repeat_interleave(inputs.query_start_loc.diff(), dim=0)
                 seq_lens = (inputs.positions + 1).to(torch.int32)
             return lambda index, query, scale: cpu.paged_decode(query, *caches[index], block_table, seq_lens, scale)
-        metadata = kernels.build_attention_metadata(
-            inputs.query_start_loc, inputs.seq_lens, inputs.block_table, self.block_size)
+        if kernels.resolve_backend(inputs.block_table.device) == "triton":
+            # the lengths the host already knows: nothing read back, so no sync, and capturable in a graph
+            metadata = kernels.attention_metadata_from_lengths(
+                inputs.query_start_loc, inputs.seq_lens, inputs.block_table, self.block_size,
+                num_tokens=len(inputs.input_ids), max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len)
+        else:
+            metadata = kernels.build_attention_metadata(
+                inputs.query_start_loc, inputs.seq_lens, inputs.block_table, self.block_size)
         return lambda index, query, scale: kernels.paged_attention(query, *caches[index], metadata, scale)
 
     def _transformers_forward(self, inputs: StepInputs) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Attention entry points for the engine: one call serves a whole ragged step (docs/kernels.md).
 
     meta = build_attention_metadata(query_start_loc, seq_lens, block_table, block_size)  # once per step
+    (or attention_metadata_from_lengths(...), for triton, when the host knows the lengths)
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping)                          # per layer
     out = paged_attention(query, k_cache, v_cache, meta, scale)                         # per layer
 
@@ -19,9 +20,11 @@ import torch
 
 from . import attention_torch
 from .attention_torch import AttentionMetadata
+from .shapes import check_metadata_inputs
 
 __all__ = [
     "AttentionMetadata",
+    "attention_metadata_from_lengths",
     "BACKENDS",
     "BACKEND_ENV_VAR",
     "backend",
@@ -59,6 +62,20 @@ def build_attention_metadata(
     """Once per step, from int32 tensors on the cache's device; see docs/architecture.md."""
     impl = _impl(block_table.device)
     return impl.build_attention_metadata(query_start_loc, seq_lens, block_table, block_size)
+
+
+def attention_metadata_from_lengths(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, *,
+    num_tokens: int, max_query_len: int, max_seq_len: int,
+) -> AttentionMetadata:
+    """The triton backend's metadata from lengths the caller already knows on the host. Nothing is read
+    back (no device sync; it can be built while a CUDA graph captures), so the values are trusted, not
+    checked: `max_seq_len` may be an upper bound, `num_tokens` must be `query_start_loc[-1]`."""
+    check_metadata_inputs(query_start_loc, seq_lens, block_table, block_size)
+    if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous() and block_table.stride(1) == 1):
+        raise ValueError("query_start_loc, seq_lens and block_table rows must be contiguous for triton")
+    return AttentionMetadata(query_start_loc, seq_lens, block_table, block_size, num_tokens, max_query_len,
+                             max_seq_len, with_torch_index=False)
 
 
 def write_kv_cache(

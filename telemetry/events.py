@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2              # 2: StepFinished.num_padded_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +45,8 @@ class StepPlanned(Event):
 @dataclass(frozen=True, slots=True)
 class StepFinished(Event):
     """The step is done: phase timings and who produced a token."""
-    num_rows: int                # rows computed, padding included (row-steps of this step)
-    num_tokens: int              # tokens computed, padding included
+    num_rows: int                # rows computed, static padding rows included (row-steps of this step)
+    num_tokens: int              # tokens computed, static padding rows included; not the graph padding below
     sampled_request_ids: tuple[str, ...]   # rows that produced an output token (useful row-steps)
     num_running: int
     num_waiting: int
@@ -57,6 +57,7 @@ class StepFinished(Event):
     forward_s: float
     sample_s: float
     update_s: float
+    num_padded_tokens: int = 0   # tokens computed only to fill a replayed CUDA graph (one per padding row)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,11 @@ class WindowRates:
     steps_per_s: float
     output_tok_per_s: float
     prefill_tok_per_s: float     # PrefillChunk tokens, recompute included
-    tokens_per_s: float          # StepFinished.num_tokens, padding included
+    tokens_per_s: float          # StepFinished.num_tokens, static padding rows included
     finished_per_s: float
     preemptions_per_s: float     # preemptions + retractions
     batch_utilisation: float | None
+    padded_token_share: float | None   # CUDA-graph padding / (tokens + that padding); None when no step ran
 
 
 class WindowedRates:
@@ -33,7 +34,7 @@ class WindowedRates:
     zero while it idles.
     """
 
-    _SERIES = ("steps", "output", "prefill", "tokens", "rows", "finished", "preemptions")
+    _SERIES = ("steps", "output", "prefill", "tokens", "padded", "rows", "finished", "preemptions")
 
     def __init__(self, window_s: float = 10.0):
         if window_s <= 0:
@@ -60,6 +61,7 @@ class WindowedRates:
                 self._add("steps", t, 1)
                 self._add("output", t, len(e.sampled_request_ids))
                 self._add("tokens", t, e.num_tokens)
+                self._add("padded", t, e.num_padded_tokens)
                 self._add("rows", t, e.num_rows)
             elif kind is PrefillChunk:
                 self._add("prefill", t, e.num_tokens)
@@ -89,4 +91,5 @@ class WindowedRates:
             finished_per_s=per_s(s["finished"]),
             preemptions_per_s=per_s(s["preemptions"]),
             batch_utilisation=_ratio(s["output"], s["rows"]),
+            padded_token_share=_ratio(s["padded"], s["tokens"] + s["padded"]),
         )

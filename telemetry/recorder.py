@@ -28,7 +28,7 @@ from .bus import EventBus, EventLog, Subscription
 from .events import SCHEMA_VERSION, Event, event_from_dict
 
 HEADER_KIND = "Header"
-SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, SCHEMA_VERSION})
 DEFAULT_RECORDER_MAXLEN = 100_000     # at the default 0.2 s flush: 500k events/s before loss
 
 # Compact separators; default=str keeps an odd knob value (say an enum) from
@@ -41,11 +41,14 @@ def encode_event(event: Event) -> str:
     return _encode(event.to_dict())
 
 
-def decode_event(text: str | bytes) -> Event:
-    """Inverse of encode_event; ValueError on bad JSON, an unknown kind or missing fields."""
+def decode_event(text: str | bytes, schema_version: int = SCHEMA_VERSION) -> Event:
+    """Inverse of encode_event; ValueError on bad JSON, an unknown kind or missing fields. An event
+    written under an older `schema_version` is upgraded to the current schema first."""
     data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"an event is a JSON object, got {type(data).__name__}")
+    if schema_version == 1 and data.get("kind") == "StepFinished":
+        data.setdefault("num_padded_tokens", 0)          # version 2 added it; nothing was padded before
     return event_from_dict(data)
 
 
@@ -225,7 +228,7 @@ class LogReader:
             if not raw.strip():
                 continue
             try:
-                event = decode_event(raw)
+                event = decode_event(raw, self.header["schema_version"])
             except (ValueError, TypeError) as exc:
                 if self._rest_is_empty():
                     self.truncated = True

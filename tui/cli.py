@@ -39,6 +39,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    g.add_argument("--cuda-graphs", choices=["on", "off", "eager"], default="on",
+                   help="on CUDA, decode steps replay graphs captured at start (default on; eager: the graphs' "
+                        "buffers and padding without capture, any device)")
 
 
 def engine_config(args):
@@ -51,7 +54,7 @@ def engine_config(args):
         preemption_mode=args.preemption_mode, batching_mode=args.batching_mode,
         static_batch_size=args.static_batch_size, layout=args.layout,
         attention_backend=args.attention_backend, num_threads=args.threads, device=args.device,
-        batch_capacity=max(256, args.max_num_seqs),
+        cuda_graphs=args.cuda_graphs, batch_capacity=max(256, args.max_num_seqs),
     )
 
 

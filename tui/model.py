@@ -43,6 +43,7 @@ SLOT_KINDS: dict[str, tuple[str, str, str, str]] = {
     "admitted": ("+", "bold bright_green", "new", "just admitted"),
     "moved": ("↓", "bold magenta", "moved", "just moved by condense"),
     "padding": ("░", "blue", "pad", "padding: finished row of a static batch"),
+    "graph": ("▫", "cyan", "graph", "graph padding: a row computed only to fill the replayed CUDA graph's size"),
     "retracted": ("×", "bold red", "out", "just preempted or retracted"),
     "hole": ("○", "red", "hole", "hole: free slot below a live row"),
     "free": ("·", "bright_black", "free", "free"),
@@ -129,6 +130,8 @@ class DashboardModel:
     budget_used: int = 0
     token_budget: int = 0
     num_padding_rows: int = 0
+    num_graph_padding_rows: int = 0      # the newest step's CUDA-graph padding (one row per padded token)
+    graph_padding_seen: bool = False     # any step was padded: the legend and header then show it
     paused: bool = False
     last_t: float | None = None
     num_events: int = 0
@@ -231,6 +234,8 @@ class DashboardModel:
 
     def _on_finished(self, e: StepFinished) -> None:
         self.finished_step = e.step
+        self.num_graph_padding_rows = e.num_padded_tokens
+        self.graph_padding_seen = self.graph_padding_seen or e.num_padded_tokens > 0
         self.num_running, self.num_waiting = e.num_running, e.num_waiting
         self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
         step = e.step
@@ -370,7 +375,9 @@ class DashboardModel:
         if request_id is None:
             if slot in self.padding_slots:
                 return "padding", None
-            return ("hole", None) if slot < self.num_occupied_span else ("free", None)
+            if slot < self.num_occupied_span:
+                return "hole", None
+            return ("graph", None) if slot in self.graph_padding_cells() else ("free", None)
         req = self.live.get(request_id)
         if req is None:
             return "decode", request_id
@@ -389,10 +396,17 @@ class DashboardModel:
                 return slot + 1
         return 0
 
+    def graph_padding_cells(self) -> range:
+        """The cells drawn as the newest step's CUDA-graph padding: as many as it padded, after the batch's
+        rows (a graph pads the batch's row order, not its slots, so these stand for rows, not slots)."""
+        start = max(self.num_occupied_span, max(self.padding_slots, default=-1) + 1)
+        return range(start, start + self.num_graph_padding_rows)
+
     def num_grid_slots(self) -> int:
         max_seqs = self.knobs.get("max_num_seqs")
         base = max_seqs if isinstance(max_seqs, int) else 0
-        return min(MAX_SLOTS, max(base, len(self.slots), max(self.padding_slots, default=-1) + 1))
+        return min(MAX_SLOTS, max(base, len(self.slots), max(self.padding_slots, default=-1) + 1,
+                                  self.graph_padding_cells().stop))
 
     # -- derived numbers -------------------------------------------------------------------
 

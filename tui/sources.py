@@ -394,7 +394,11 @@ class EngineSource(Source):
 
 
 def _device_name(engine) -> str:
+    """The model's device, and the CUDA graphs captured at start if any (shown in the header)."""
     try:
-        return str(next(engine.loaded.model.parameters()).device)
+        device = str(next(engine.loaded.model.parameters()).device)
     except (AttributeError, StopIteration):
         return "cpu"
+    graphs = getattr(getattr(engine, "runner", None), "decode_graphs", None)
+    capture = getattr(graphs, "capture", None)
+    return f"{device} ({capture.summary})" if capture is not None else device

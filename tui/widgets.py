@@ -60,6 +60,8 @@ class HeaderBar(Static):
         line.append(f"  pre {model.num_preempted}", style="red")
         line.append(f"  KV {model.kv_pct:3.0f}%", style="magenta")
         line.append(f"  budget {model.budget_pct:3.0f}%")
+        if model.graph_padding_seen and rates.padded_token_share is not None:
+            line.append(f"  graph pad {100 * rates.padded_token_share:3.0f}%", style="cyan")
         line.append(f"  │ seqs {knobs.get('max_num_seqs', '?')} tok {knobs.get('max_num_batched_tokens', '?')}"
                     f" chunk {knobs.get('long_prefill_token_threshold', '?')}", style="bold")
         if "load_rate" in knobs:
@@ -76,19 +78,26 @@ class SlotGrid(Static):
         """Lines needed at `width`: title, grid rows (two-column cells when they fit), legend."""
         num_slots = self.app.model.num_grid_slots()
         per_row = max(1, (width - 2) // 2)
-        return 1 + max(1, -(-num_slots // per_row)) + self._legend(width - 2).count("\n") + 1
+        return 1 + max(1, -(-num_slots // per_row)) + self._legend(width - 2, self._kinds()).count("\n") + 1
+
+    def _kinds(self) -> list[str]:
+        """The legend's kinds: graph padding only once a step was padded (never on the CPU)."""
+        return [kind for kind in SLOT_KINDS if kind != "graph" or self.app.model.graph_padding_seen]
 
     def render(self) -> Text:
         model: DashboardModel = self.app.model
         width = max(8, self.size.width)
         num_slots = model.num_grid_slots()
-        legend = self._legend(width)
+        legend = self._legend(width, self._kinds())
         rows_free = max(1, self.size.height - legend.count("\n") - 2)
         cell = 2 if num_slots * 2 <= width * rows_free else 1
         per_row = max(1, width // cell)
         mirrored = " (mirrored from vLLM's input batch)" if self.app.source.meta.get("slots") == "mirrored" else ""
         text = Text(f"batch{mirrored} {model.num_occupied_span}/{num_slots} slots"
-                    f"  padding {model.num_padding_rows}\n", style="bold")
+                    f"  padding {model.num_padding_rows}", style="bold")
+        if model.graph_padding_seen:
+            text.append(f"  graph +{model.num_graph_padding_rows}", style="bold cyan")
+        text.append("\n")
         for slot in range(num_slots):
             kind, _ = model.slot_kind(slot)
             glyph, style, _, _ = SLOT_KINDS[kind]
@@ -100,10 +109,10 @@ class SlotGrid(Static):
         return text
 
     @staticmethod
-    def _legend(width: int) -> str:
+    def _legend(width: int, kinds: list[str]) -> str:
         """Short labels, wrapped to `width`; the help screen has the long ones."""
         lines, line, used = [], [], 0
-        for glyph, style, label, _ in SLOT_KINDS.values():
+        for glyph, style, label, _ in (SLOT_KINDS[kind] for kind in kinds):
             size = len(label) + 2
             if line and used + size > width:
                 lines.append(" ".join(line))

@@ -25,3 +25,12 @@ def test_breakdown_table_puts_each_step_in_its_kind_against_its_own_roofline():
         "decode 33+ rows": ["1", "5.00", "6.60", "132%"],
     }
     assert "decode 9-16 rows" not in "".join(breakdown_table([(4, 4, 1.0)], 1.0, 1.0, 10.0, 1.0))
+
+
+def test_graph_step_table_puts_the_modes_side_by_side():
+    from batchtop.engine.bench_engine import graph_step_table
+    both = graph_step_table({"on": {1: 0.001, 64: 0.002}, "off": {1: 0.020, 64: 0.022}})
+    assert both == ["| decode rows | graphs on: step ms | graphs off: step ms | off / on |", "|---:|---:|---:|---:|",
+                    "| 1 | 1.00 | 20.00 | 20.0x |", "| 64 | 2.00 | 22.00 | 11.0x |"]
+    assert graph_step_table({"off": {4: 0.0205}}) == ["| decode rows | graphs off: step ms |", "|---:|---:|",
+                                                      "| 4 | 20.50 |"]

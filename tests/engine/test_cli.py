@@ -52,3 +52,10 @@ def test_bad_trace_line_is_named(tmp_path):
     assert result.returncode == 2 and f"{trace}:2: bad trace line" in result.stderr
     result = batchtop("record", "--model", "tiny", "--trace", str(tmp_path / "missing"), "--out", "x", check=False)
     assert result.returncode == 2 and "No such file" in result.stderr
+
+
+def test_cuda_graphs_flag_reaches_the_engine_config():
+    from batchtop.tui.cli import build_parser, engine_config
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["generate", "--prompt", "x"])).cuda_graphs == "on"
+    assert engine_config(parser.parse_args(["generate", "--prompt", "x", "--cuda-graphs", "off"])).cuda_graphs == "off"

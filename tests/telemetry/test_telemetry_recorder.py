@@ -188,3 +188,19 @@ def test_writer_failure_is_reported_on_close_and_never_reaches_the_engine(tmp_pa
     bus.publish(EnginePaused(1, 1.0))
     with pytest.raises(RuntimeError, match="No space left"):
         rec.close()
+
+
+STEP_V1 = ('{"kind": "StepFinished", "step": 1, "t": 2.0, "num_rows": 2, "num_tokens": 2, "sampled_request_ids": ["a"], '
+           '"num_running": 2, "num_waiting": 0, "kv_blocks_used": 1, "kv_blocks_total": 8, "schedule_s": 0.0, '
+           '"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "update_s": 0.0}\n')
+
+
+def test_a_version_1_log_reads_with_nothing_padded(tmp_path):
+    """Version 2 added StepFinished.num_padded_tokens; a version 1 log is upgraded on reading."""
+    path = tmp_path / "v1.jsonl"
+    path.write_text('{"kind": "Header", "schema_version": 1}\n' + STEP_V1 + STEP_V1)
+    _, events = read_log(path)
+    assert [e.num_padded_tokens for e in events] == [0, 0] and events[0].num_rows == 2
+    path.write_text(f'{{"kind": "Header", "schema_version": {SCHEMA_VERSION}}}\n' + STEP_V1 + STEP_V1)
+    with pytest.raises(LogFormatError, match="lacks field 'num_padded_tokens'"):
+        read_log(path)
