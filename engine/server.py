@@ -28,6 +28,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from batchtop.telemetry import events as ev
+
 from .loop import EngineLoop
 from .sampling import SamplingParams
 from .server_events import EventRing, event_stream, resolve_start
@@ -150,6 +152,8 @@ class BatchtopServer:
         """Move newly published events into the ring and the metrics (asyncio thread)."""
         events = self.subscription.drain()
         if events:
+            if type(events[0]) is ev.EventsDropped:
+                self.loop.request_snapshot("drop")
             self.ring.extend(events)
             self.metrics.feed(events)
 
@@ -442,6 +446,8 @@ def build_app(server: BatchtopServer) -> FastAPI:
             raise ApiError(400, f"Last-Event-ID must be an event seq (an integer), got {last_id!r}",
                            param="Last-Event-ID")
         start, notice = resolve_start(server.ring, last_id.strip() if last_id else None, from_step)
+        if notice is not None or start == server.ring.next_seq:
+            server.loop.request_snapshot("subscribe")   # joins live or after a gap: an exact state follows
         return StreamingResponse(event_stream(server.ring, start, server.hello(), notice,
                                               closing=lambda: server.closing),
                                  media_type="text/event-stream", headers=SSE_HEADERS)

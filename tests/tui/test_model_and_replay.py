@@ -1,12 +1,20 @@
 """The view model folded from the fixture log, and replay navigation (no UI)."""
 from __future__ import annotations
 
+import pytest
+
+from batchtop.engine.config import EngineConfig
+from batchtop.engine.engine import Engine
+from batchtop.engine.loop import EngineLoop
+from batchtop.engine.sampling import SamplingParams
+from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.events import (
-    KnobChanged, RequestAdmitted, RequestArrived, RequestRetired, RowMoved, StepFinished, StepPlanned,
+    EngineSnapshot, EventsDropped, PrefillChunk, KnobChanged, RequestAdmitted, RequestArrived, RequestRetired, RowMoved, StepFinished, StepPlanned,
 )
 from batchtop.telemetry.recorder import read_log
+from batchtop.telemetry.state import BatchState
 from batchtop.tui.model import DashboardModel
-from batchtop.tui.sources import ReplaySource
+from batchtop.tui.sources import EngineSource, ReplaySource
 
 from tui_helpers import FIXTURE_LOG
 
@@ -111,3 +119,93 @@ def test_replay_hands_out_big_jumps_in_bounded_polls():
             break
         sizes.append(len(events))
     assert max(sizes) == 50 and sum(sizes) == len(source.events)
+
+
+def live_view(model: DashboardModel) -> dict:
+    return {r.request_id: (r.state, r.slot, r.num_computed_tokens, r.num_output_tokens, r.num_blocks)
+            for r in model.live.values()}
+
+
+def folded_view(state: BatchState) -> dict:
+    return {rid: (r.status, r.slot, r.num_computed_tokens, r.num_output_tokens, r.num_blocks)
+            for rid, r in state.requests.items() if r.status != "padding"}
+
+
+def test_the_model_holds_exact_tokens_and_blocks_per_request():
+    _, events = read_log(FIXTURE_LOG)
+    assert any(isinstance(e, PrefillChunk) and e.recompute for e in events), "the log has recomputes"
+    model, state = fold([]), BatchState()
+    for event in events:
+        model.feed([event])
+        state.feed([event])
+        if type(event) is StepFinished:
+            assert live_view(model) == folded_view(state), f"step {event.step}"
+
+
+def test_a_snapshot_after_a_drop_resynchronises_the_model():
+    _, events = read_log(FIXTURE_LOG)
+    cut = next(i for i, e in enumerate(events) if type(e) is StepFinished and e.step == 40)
+    truth = BatchState()
+    truth.feed(events[:cut + 1])
+    model = fold(events[:cut // 2])
+    model.feed([EventsDropped(step=40, t=events[cut].t, count=cut - cut // 2)])
+    reqs = list(truth.requests.items())
+    model.feed([EngineSnapshot(
+        step=40, t=events[cut].t, cause="drop", request_ids=tuple(rid for rid, _ in reqs),
+        statuses=tuple(r.status for _, r in reqs), slots=tuple(r.slot for _, r in reqs),
+        num_prompt_tokens=tuple(r.num_prompt_tokens for _, r in reqs),
+        num_output_tokens=tuple(r.num_output_tokens for _, r in reqs),
+        num_computed_tokens=tuple(r.num_computed_tokens for _, r in reqs),
+        num_blocks=tuple(r.num_blocks for _, r in reqs), max_tokens=tuple(r.max_tokens for _, r in reqs),
+        kv_blocks_used=sum(r.num_blocks for _, r in reqs), kv_blocks_total=24)])
+    assert live_view(model) == folded_view(truth)
+    for event in events[cut + 1:]:
+        model.feed([event])
+        truth.feed([event])
+        if type(event) is StepFinished:
+            assert live_view(model) == folded_view(truth), f"step {event.step}"
+    assert "snapshot" in model.message or not model.live
+
+
+def test_waiting_time_by_reason_and_the_admission_line():
+    _, events = read_log(FIXTURE_LOG)
+    model = fold([])
+    seen_blocked = set()
+    for event in events:
+        model.feed([event])
+        if type(event) is StepFinished and model.admission is not None:
+            seen_blocked.add(model.admission.reason)
+            assert model.num_waiting > 0
+    assert {"max_num_seqs", "preemption"} <= seen_blocked
+    admitted = [e for e in events if isinstance(e, RequestAdmitted)]
+    for rid in {e.request_id for e in admitted}:
+        req = model.request(rid)
+        total = sum(s for e in admitted if e.request_id == rid for s in e.wait_s)
+        assert sum(model.waited(req, events[-1].t).values()) == pytest.approx(total)
+
+
+def test_the_engine_source_asks_for_a_snapshot_on_subscribe_and_after_a_drop():
+    bus = EventBus()
+    engine = Engine(EngineConfig(model="tiny", max_num_seqs=4, num_kv_blocks=64), sink=bus.publish)
+    loop = EngineLoop(engine).start()
+    try:
+        for i in range(6):
+            loop.add_request(list(range(100, 110 + i)), SamplingParams(max_tokens=400, ignore_eos=True))
+        loop.call(lambda: None)
+        loop.pause()
+        src = EngineSource(loop, bus, subscription_maxlen=4)    # joins mid-run, with a tiny buffer
+        loop.call(lambda: None)
+        snapshots = [e for e in src.poll().events if isinstance(e, EngineSnapshot)]
+        assert [s.cause for s in snapshots] == ["subscribe"]
+        assert sorted(snapshots[0].statuses) == ["running"] * 4 + ["waiting"] * 2
+        steps = loop.call(lambda: engine.step_count)
+        for _ in range(5):
+            loop.step_once()
+        while loop.call(lambda: engine.step_count) < steps + 5:
+            pass
+        events = src.poll().events
+        assert isinstance(events[0], EventsDropped)          # 5 steps overflow 4 slots
+        loop.call(lambda: None)
+        assert [e.cause for e in src.poll().events if isinstance(e, EngineSnapshot)] == ["drop"]
+    finally:
+        loop.stop()
