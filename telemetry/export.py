@@ -10,7 +10,7 @@ Trace layout (open in ui.perfetto.dev or chrome://tracing):
   schedule/prepare/forward/sample/update phases) and instants for knob
   changes, pauses, refused commands and dropped events; counters
   kv_blocks_used, running_rows, waiting_rows, tokens_per_step (from
-  StepFinished) and scheduled_tokens (prefill/decode, from StepPlanned).
+  StepFinished) and scheduled_tokens (prefill/recompute/decode, from StepPlanned).
 Timestamps are microseconds since the header's start_monotonic (or the first event).
 """
 from __future__ import annotations
@@ -164,7 +164,8 @@ def to_chrome_trace(header: dict | None, events: Iterable[Event]) -> dict:
             b.counter("waiting_rows", e.t, {"waiting": e.num_waiting})
             b.counter("tokens_per_step", e.t, {"tokens": e.num_tokens})
         elif kind is StepPlanned:
-            b.counter("scheduled_tokens", e.t, {"prefill": e.prefill_tokens, "decode": e.decode_tokens})
+            b.counter("scheduled_tokens", e.t, {"prefill": e.prefill_tokens, "recompute": e.recompute_tokens,
+                                                "decode": e.decode_tokens})
         elif kind in (KnobChanged, CommandRefused, EnginePaused, EngineResumed, EventsDropped):
             d = e.to_dict()
             name = d.pop("kind")

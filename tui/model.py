@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from batchtop.engine.admission import NEXT_STEP, WaitClock
 from batchtop.telemetry.events import (
-    AdmissionBlocked, BlocksAllocated, EngineSnapshot, PaddingReleased, BatchRebuilt, CommandRefused, EnginePaused, EngineResumed, Event, EventsDropped, FirstToken,
+    AdmissionBlocked, BatchRebuilt, BlocksAllocated, CommandRefused, EnginePaused, EngineResumed, EngineSnapshot,
+    Event, EventsDropped, FirstToken, PaddingReleased,
     KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted, RequestRetired,
     RequestRetracted, RowMoved, StepFinished, StepPlanned,
 )
@@ -230,7 +231,7 @@ class DashboardModel:
     def _on_planned(self, e: StepPlanned) -> None:
         self.num_running, self.num_waiting = e.num_running, e.num_waiting
         self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
-        self.budget_used = e.prefill_tokens + e.decode_tokens
+        self.budget_used = e.prefill_tokens + e.recompute_tokens + e.decode_tokens
         self.token_budget = e.token_budget
         self.num_padding_rows = e.num_padding_rows
         if not e.num_waiting:

@@ -62,7 +62,8 @@ def test_recorder_overflow_is_logged(tmp_path):
     for i in range(10):
         rec(EnginePaused(step=i, t=float(i)))
     rec.close()
-    assert read_log(path)[1] == [EventsDropped(step=6, t=6.0, count=6)] + [EnginePaused(step=i, t=float(i)) for i in range(6, 10)]
+    assert read_log(path)[1] == ([EventsDropped(step=6, t=6.0, count=6)]
+                                 + [EnginePaused(step=i, t=float(i)) for i in range(6, 10)])
 
 
 def test_odd_knob_values_do_not_kill_the_writer(tmp_path):
@@ -188,3 +189,23 @@ def test_writer_failure_is_reported_on_close_and_never_reaches_the_engine(tmp_pa
     bus.publish(EnginePaused(step=1, t=1.0))
     with pytest.raises(RuntimeError, match="No space left"):
         rec.close()
+
+
+def test_a_version_1_log_is_upgraded_on_read(tmp_path):
+    path = tmp_path / "v1.jsonl"
+    path.write_text("\n".join([
+        '{"kind":"Header","schema_version":1,"model":"tiny","knobs":{}}',
+        '{"kind":"StepPlanned","step":1,"t":0.5,"prefill_tokens":9,"decode_tokens":2,"num_prefill_rows":1,'
+        '"num_decode_rows":2,"num_padding_rows":0,"token_budget":64,"num_running":3,"num_waiting":0,'
+        '"kv_blocks_used":3,"kv_blocks_total":8}',
+        '{"kind":"PrefillChunk","step":1,"t":0.6,"request_id":"a","num_tokens":9,"num_computed_tokens":9,'
+        '"num_known_tokens":9}',
+        '{"kind":"RequestAdmitted","step":1,"t":0.4,"request_id":"a","slot":0,"num_computed_tokens":0,'
+        '"resumed":false}',
+        '{"kind":"RequestRetired","step":2,"t":0.7,"request_id":"a","reason":"stop","slot":0,'
+        '"num_prompt_tokens":9,"num_output_tokens":1}',
+    ]) + "\n")
+    header, (planned, chunk, admitted, retired) = read_log(path)
+    assert header["schema_version"] == 1
+    assert (planned.prefill_tokens, planned.recompute_tokens, planned.num_recompute_rows) == (9, 0, 0)
+    assert chunk.recompute is False and admitted.wait_s == () and retired.num_blocks == 0
