@@ -37,7 +37,8 @@ MAX_LOG_EVENTS = 2000           # the event log ring
 MAX_SLOTS = 4096                # slot grid ceiling, whatever the events claim
 HISTORY_BUCKET_S = 0.5          # one plot point per half second of event time
 MAX_HISTORY = 1200              # 10 minutes of plot points
-MAX_LATENCY_SAMPLES = 256       # recent TTFT / TPOT values behind the percentiles
+MAX_LATENCY_SAMPLES = 1024      # recent (t, TTFT / TPOT) samples behind the percentiles
+LATENCY_WINDOW_S = 10.0         # a plot point's latency percentiles: samples of the last 10 s
 MAX_KNOB_MARKS = 64
 RATE_WINDOW_S = 5.0
 
@@ -99,7 +100,8 @@ class RequestView:
 
 @dataclass(slots=True)
 class HistoryPoint:
-    """One plot sample: rates over its bucket, levels at its end, latency percentiles so far."""
+    """One plot sample: rates over its bucket, levels at its end, latency percentiles over the
+    LATENCY_WINDOW_S before its end."""
     t: float
     out_tok_s: float
     in_tok_s: float
@@ -151,8 +153,8 @@ class DashboardModel:
         self.log: deque[Event] = deque(maxlen=MAX_LOG_EVENTS)
         self.history: deque[HistoryPoint] = deque(maxlen=MAX_HISTORY)
         self.knob_marks: deque[KnobMark] = deque(maxlen=MAX_KNOB_MARKS)
-        self.ttft_samples: deque[float] = deque(maxlen=MAX_LATENCY_SAMPLES)
-        self.tpot_samples: deque[float] = deque(maxlen=MAX_LATENCY_SAMPLES)
+        self.ttft_samples: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)   # (t, seconds)
+        self.tpot_samples: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)
         self.rates = WindowedRates(RATE_WINDOW_S)
         self.wait_clock = WaitClock()
         self._bucket_end: float | None = None
@@ -204,7 +206,7 @@ class DashboardModel:
             self.history.append(HistoryPoint(
                 self._bucket_end, self._bucket_out / HISTORY_BUCKET_S, self._bucket_in / HISTORY_BUCKET_S,
                 self.num_running, self.num_waiting, self.kv_pct,
-                *_p50_p99(self.ttft_samples), *_p50_p99(self.tpot_samples)))
+                *_p50_p99(self.ttft_samples, self._bucket_end), *_p50_p99(self.tpot_samples, self._bucket_end)))
             self._bucket_out = self._bucket_in = 0
             self._bucket_end += HISTORY_BUCKET_S
             if t - self._bucket_end > HISTORY_BUCKET_S * MAX_HISTORY:
@@ -336,7 +338,7 @@ class DashboardModel:
         req = self._request(e.request_id)
         if req.first_token_t is None:
             req.first_token_t, req.ttft_s = e.t, e.ttft_s
-            self.ttft_samples.append(e.ttft_s)
+            self.ttft_samples.append((e.t, e.ttft_s))
             req.note(e.step, e.t, f"first token, TTFT {e.ttft_s * 1000:.0f} ms")
 
     def _on_retired(self, e: RequestRetired) -> None:
@@ -350,7 +352,7 @@ class DashboardModel:
         if req.num_prompt_tokens is None:
             req.num_prompt_tokens = e.num_prompt_tokens
         if req.first_token_t is not None and e.num_output_tokens >= 2:
-            self.tpot_samples.append((e.t - req.first_token_t) / (e.num_output_tokens - 1))
+            self.tpot_samples.append((e.t, (e.t - req.first_token_t) / (e.num_output_tokens - 1)))
         if e.slot >= 0:
             self._vacate(e.slot, e.request_id)
             if e.num_blocks:           # a static batch keeps computing it until its longest row is done
@@ -492,10 +494,11 @@ class DashboardModel:
         return out
 
 
-def _p50_p99(samples) -> tuple[float | None, float | None]:
-    if not samples:
+def _p50_p99(samples, end: float) -> tuple[float | None, float | None]:
+    """Percentiles of the samples taken in the LATENCY_WINDOW_S before `end`."""
+    xs = sorted(v for t, v in samples if end - LATENCY_WINDOW_S < t <= end)
+    if not xs:
         return None, None
-    xs = sorted(samples)
     return percentile(xs, 50), percentile(xs, 99)
 
 
