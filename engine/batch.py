@@ -36,7 +36,8 @@ class Update:
     rows_kept: int = 0
     rows_added: int = 0
     rows_removed: int = 0
-    moves: tuple[Move, ...] = ()
+    moves: tuple[Move, ...] = ()          # condense: rows slid into holes
+    renumbered: tuple[Move, ...] = ()     # gather: kept rows that landed at a new index in the rebuilt arrays
     num_bytes: int = 0
 
 
@@ -75,7 +76,7 @@ class PersistentBatch:
             update.moves = tuple(self._condense())
             update.num_bytes = sum(m.num_bytes for m in update.moves)
         elif self.layout == "gather" and (removed or added):
-            update.num_bytes = self._regather()
+            update.num_bytes, update.renumbered = self._regather()
         return update
 
     def _add(self, request_id: str, token_ids: list[int]) -> int:
@@ -132,17 +133,22 @@ class PersistentBatch:
         self.slot_of[request_id] = dst
         return Move(request_id, src, dst, num_tokens * TOKEN_BYTES + num_blocks * BLOCK_ID_BYTES)
 
-    def _regather(self) -> int:
-        """gather: rebuild the rows as fresh arrays in request order — filter kept rows, merge added ones."""
+    def _regather(self) -> tuple[int, tuple[Move, ...]]:
+        """gather: rebuild the rows as fresh arrays in request order — filter kept rows, merge added ones.
+        The bytes copied and the rows whose index changed."""
         slots = sorted(self.slot_of.values())
         bytes_copied = 0
+        renumbered = []
         token_ids = np.zeros_like(self.token_ids)
         block_table = np.zeros_like(self.block_table)
         for new_slot, old_slot in enumerate(slots):
             n, b = int(self.num_tokens[old_slot]), int(self.num_blocks[old_slot])
             token_ids[new_slot, :n] = self.token_ids[old_slot, :n]
             block_table[new_slot, :b] = self.block_table[old_slot, :b]
-            bytes_copied += n * TOKEN_BYTES + b * BLOCK_ID_BYTES
+            row_bytes = n * TOKEN_BYTES + b * BLOCK_ID_BYTES
+            bytes_copied += row_bytes
+            if new_slot != old_slot:
+                renumbered.append(Move(self.request_ids[old_slot], old_slot, new_slot, row_bytes))
         request_ids = [self.request_ids[s] for s in slots]
         num_tokens, num_blocks = self.num_tokens[slots], self.num_blocks[slots]
         self.token_ids, self.block_table = token_ids, block_table
@@ -151,7 +157,7 @@ class PersistentBatch:
         self.num_blocks = np.zeros(self.capacity, dtype=np.int64)
         self.num_tokens[: len(slots)], self.num_blocks[: len(slots)] = num_tokens, num_blocks
         self.slot_of = {rid: i for i, rid in enumerate(request_ids)}
-        return bytes_copied
+        return bytes_copied, tuple(renumbered)
 
     # -- per-step row state -------------------------------------------------------------
 
@@ -160,13 +166,15 @@ class PersistentBatch:
         self.token_ids[slot, self.num_tokens[slot]] = token_id
         self.num_tokens[slot] += 1
 
-    def sync_blocks(self, request_id: str, block_ids: list[int]) -> None:
-        """Append the blocks the KV manager gave the request since the last sync."""
+    def sync_blocks(self, request_id: str, block_ids: list[int]) -> int:
+        """Append the blocks the KV manager gave the request since the last sync; how many."""
         slot = self.slot_of[request_id]
         held = int(self.num_blocks[slot])
-        if len(block_ids) != held:
-            self.block_table[slot, held : len(block_ids)] = block_ids[held:]
-            self.num_blocks[slot] = len(block_ids)
+        if len(block_ids) == held:
+            return 0
+        self.block_table[slot, held : len(block_ids)] = block_ids[held:]
+        self.num_blocks[slot] = len(block_ids)
+        return len(block_ids) - held
 
     def order(self, slots: np.ndarray, is_decode: np.ndarray) -> np.ndarray:
         """The step's batch-position→slot map: slot order, except indexmap puts decode rows first."""

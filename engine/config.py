@@ -33,6 +33,7 @@ class EngineConfig:
     num_threads: int | None = None
     device: str = "cpu"                       # cpu, cuda or cuda:N (the Triton kernels serve attention there)
     cuda_graphs: str = "on"                   # on: decode steps replay CUDA graphs (CUDA only); off; eager (tests)
+    snapshot_interval_steps: int = 1000       # an EngineSnapshot event every N steps (0: only when asked)
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1, self.batch_capacity)
@@ -41,6 +42,7 @@ class EngineConfig:
         check_int("block_size", self.block_size, 1, 1024)
         check_int("batch_capacity", self.batch_capacity, 1, MAX_NUM_SEQS_LIMIT)
         check_int("static_batch_size", self.static_batch_size, 1, self.batch_capacity)
+        check_int("snapshot_interval_steps", self.snapshot_interval_steps, 0, 10**9)
         if self.num_kv_blocks is not None:
             check_int("num_kv_blocks", self.num_kv_blocks, 1, 10**8)
         if not self.kv_cache_mb > 0:

@@ -1,6 +1,7 @@
 """The engine: requests in, one step at a time (schedule → prepare → forward → sample → update), events out."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -12,12 +13,13 @@ import torch
 from batchtop import kernels
 from batchtop.telemetry import events as ev
 
+from .admission import Blocked
 from .batch import PersistentBatch
 from .block_pool import KVCacheManager
 from .config import (BATCHING_MODES, MAX_BATCHED_TOKENS_LIMIT, PREEMPTION_MODES, EngineConfig, check_choice,
                      check_int)
 from .model import LoadedModel, load_model
-from .request import Request
+from .request import Request, Status
 from .runner import Runner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Row, Scheduler, SchedulerKnobs
@@ -82,14 +84,38 @@ class Engine:
         self.step_count = 0
         self.requests: dict[str, Request] = {}
         self._retired_from_batch: list[str] = []    # leave the persistent batch at the next step
+        self._blocked_key: tuple[str, str] | None = None   # of the last AdmissionBlocked
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
     # -- events -------------------------------------------------------------------------
 
-    def _emit(self, event_type, *fields) -> None:
+    def _emit(self, event_type, **fields) -> None:
         if self._sink is not None:
-            self._sink(event_type(self.step_count, time.monotonic(), *fields))
+            self._sink(event_type(step=self.step_count, t=time.monotonic(), **fields))
+
+    def snapshot(self, cause: str) -> ev.EngineSnapshot:
+        """The whole request state as one event: running (running order), padding rows, waiting (queue order)."""
+        scheduler, slot_of, kv = self.scheduler, self.batch.slot_of, self.kv
+        members = ([(r, "running") for r in scheduler.running] + [(r, "padding") for r in scheduler.padding]
+                   + [(r, r.status.value) for r in scheduler.waiting])
+        requests = [r for r, _ in members]
+        return ev.EngineSnapshot(
+            step=self.step_count, t=time.monotonic(), cause=cause,
+            request_ids=tuple(r.request_id for r in requests),
+            statuses=tuple(status for _, status in members),
+            slots=tuple(slot_of.get(r.request_id, -1) for r in requests),
+            num_prompt_tokens=tuple(r.num_prompt_tokens for r in requests),
+            num_output_tokens=tuple(r.num_output_tokens for r in requests),
+            num_computed_tokens=tuple(r.num_computed_tokens for r in requests),
+            num_blocks=tuple(kv.num_blocks_held(r.request_id) for r in requests),
+            max_tokens=tuple(r.sampling.max_tokens for r in requests),
+            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks)
+
+    def emit_snapshot(self, cause: str = "request") -> None:
+        """Between steps (engine thread): publish the state, so a consumer that missed events resyncs."""
+        if self._sink is not None:
+            self._sink(self.snapshot(cause))
 
     # -- requests in ----------------------------------------------------------------------
 
@@ -138,8 +164,8 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.scheduler.add(request)
-        self._emit(ev.RequestArrived, request.request_id, request.num_prompt_tokens, request.sampling.max_tokens,
-                   request.priority)
+        self._emit(ev.RequestArrived, request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
+                   max_tokens=request.sampling.max_tokens, priority=request.priority)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (a long-running engine calls this once its result is read)."""
@@ -158,11 +184,14 @@ class Engine:
 
     def _retire(self, request: Request, reason: str, slot: int) -> None:
         request.finish_time = time.monotonic()
+        queued = request.status in (Status.WAITING, Status.PREEMPTED)
         self.sampler.forget(request.request_id)
-        if self.scheduler.finish(request, reason) and slot >= 0:
+        if self.scheduler.finish(request, reason, request.finish_time) and slot >= 0:
             self._retired_from_batch.append(request.request_id)
-        self._emit(ev.RequestRetired, request.request_id, reason, slot, request.num_prompt_tokens,
-                   request.num_output_tokens)
+        wait_reasons, wait_s = request.wait_split if queued else ((), ())
+        self._emit(ev.RequestRetired, request_id=request.request_id, reason=reason, slot=slot,
+                   num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+                   num_blocks=self.kv.num_blocks_held(request.request_id), wait_reasons=wait_reasons, wait_s=wait_s)
 
     def fail_running(self, message: str) -> list[RequestOutput]:
         """A step raised: retire every running request with reason `error` so the engine can go on."""
@@ -182,17 +211,18 @@ class Engine:
         if not self.scheduler.has_work():
             return []
         self._apply_pending_batching_mode()
-        self.step_count += 1
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
         if not (plan.rows or plan.admitted or plan.preempted or plan.released):
-            self.step_count -= 1          # nothing to do yet (a dynamic batch waiting to fill): not a step
+            self._note_blocked(plan.blocked)      # a dynamic batch waiting to fill: not a step
             return []
+        self.step_count += 1
         t_schedule = time.perf_counter()
         self._update_batch(plan)
         rows = plan.rows
         if self._sink is not None:
             self._emit_plan(plan)
+            self._note_blocked(plan.blocked)
         if not rows:
             return []
         arrays = self._row_arrays(rows)
@@ -206,46 +236,72 @@ class Engine:
         outputs = self._update(rows, sampling_rows, tokens)
         t_update = time.perf_counter()
         if self._sink is not None:
-            self._emit(ev.StepFinished, len(rows), inputs.num_actual_tokens,
-                       tuple(r.request.request_id for r in sampling_rows),
-                       len(self.scheduler.running), len(self.scheduler.waiting),
-                       self.kv.num_used_blocks, self.kv.num_blocks,
-                       t_schedule - t0, t_prepare - t_schedule, t_forward - t_prepare, t_sample - t_forward,
-                       t_update - t_sample, inputs.num_padded_tokens)
+            self._emit(ev.StepFinished, num_rows=len(rows), num_tokens=inputs.num_actual_tokens,
+                       sampled_request_ids=tuple(r.request.request_id for r in sampling_rows),
+                       num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                       kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
+                       schedule_s=t_schedule - t0, prepare_s=t_prepare - t_schedule, forward_s=t_forward - t_prepare,
+                       sample_s=t_sample - t_forward, update_s=t_update - t_sample,
+                       num_padded_tokens=inputs.num_padded_tokens)
+            interval = self.config.snapshot_interval_steps
+            if interval and self.step_count % interval == 0:
+                self.emit_snapshot("interval")
         return outputs
+
+    def _note_blocked(self, blocked) -> None:
+        """AdmissionBlocked when what stops the head of the queue (reason or head) changed."""
+        key = blocked.key if blocked is not None else None
+        if key == self._blocked_key:
+            return
+        self._blocked_key = key
+        if blocked is not None:
+            self._emit(ev.AdmissionBlocked, **dataclasses.asdict(blocked))
 
     def _update_batch(self, plan) -> None:
         """Mirror the scheduler's running set in the persistent batch, then sync block tables."""
         removed = (self._retired_from_batch + [r.request_id for r, _, _ in plan.preempted]
-                   + [r.request_id for r in plan.released])
+                   + [r.request_id for r, _ in plan.released])
         self._retired_from_batch = []
+        slot_of = self.batch.slot_of
         for request, blocks_freed, tokens in plan.preempted:     # their slots, before the batch forgets them
-            slot = self.batch.slot_of.get(request.request_id, -1)
+            slot = slot_of.get(request.request_id, -1)
             if plan.retracting:
-                self._emit(ev.RequestRetracted, request.request_id, slot, blocks_freed, tokens, plan.new_token_ratio)
+                self._emit(ev.RequestRetracted, request_id=request.request_id, slot=slot, blocks_freed=blocks_freed,
+                           tokens_to_recompute=tokens, new_token_ratio=plan.new_token_ratio)
             else:
-                self._emit(ev.RequestPreempted, request.request_id, slot, blocks_freed, tokens, "kv pool exhausted")
+                self._emit(ev.RequestPreempted, request_id=request.request_id, slot=slot, blocks_freed=blocks_freed,
+                           tokens_to_recompute=tokens, reason="kv pool exhausted")
+        for request, blocks_freed in plan.released:
+            self._emit(ev.PaddingReleased, request_id=request.request_id, slot=slot_of.get(request.request_id, -1),
+                       blocks_freed=blocks_freed)
         update = self.batch.update(removed, [(r.request_id, r.prompt_token_ids + r.output_token_ids)
                                              for r in plan.admitted])
         for request in plan.admitted:
-            request.admit_time = request.admit_time or time.monotonic()
-            self._emit(ev.RequestAdmitted, request.request_id, self.batch.slot_of[request.request_id],
-                       request.num_computed_tokens, request.num_preemptions > 0)
-        for move in update.moves:
-            self._emit(ev.RowMoved, move.request_id, move.from_slot, move.to_slot, move.num_bytes)
+            reasons, seconds = request.wait_split
+            self._emit(ev.RequestAdmitted, request_id=request.request_id, slot=slot_of[request.request_id],
+                       num_computed_tokens=request.num_computed_tokens, resumed=request.num_preemptions > 0,
+                       wait_reasons=reasons, wait_s=seconds)
+        for move in update.moves + update.renumbered:
+            self._emit(ev.RowMoved, request_id=move.request_id, from_slot=move.from_slot, to_slot=move.to_slot,
+                       num_bytes=move.num_bytes)
         if removed or plan.admitted:
-            self._emit(ev.BatchRebuilt, self.batch.layout, update.rows_kept, update.rows_added, update.rows_removed,
-                       len(update.moves), update.num_bytes)
+            self._emit(ev.BatchRebuilt, layout=self.batch.layout, rows_kept=update.rows_kept,
+                       rows_added=update.rows_added, rows_removed=update.rows_removed, rows_moved=len(update.moves),
+                       num_bytes=update.num_bytes)
         for row in plan.rows:
-            self.batch.sync_blocks(row.request.request_id, self.kv.block_ids(row.request.request_id))
+            request_id = row.request.request_id
+            block_ids = self.kv.block_ids(request_id)
+            num_new = self.batch.sync_blocks(request_id, block_ids)
+            if num_new:
+                self._emit(ev.BlocksAllocated, request_id=request_id, num_new_blocks=num_new,
+                           num_blocks=len(block_ids))
 
     def _row_arrays(self, rows: list[Row]):
         """Rows in the layout's batch order as arrays: slots, starts, query lengths, samples."""
         slot_of = self.batch.slot_of
         slots = np.fromiter((slot_of[r.request.request_id] for r in rows), dtype=np.int64, count=len(rows))
         query_lens = np.fromiter((r.num_tokens for r in rows), dtype=np.int64, count=len(rows))
-        order = self.batch.order(slots, np.fromiter((r.request.num_output_tokens > 0 for r in rows), dtype=bool,
-                                                    count=len(rows)))
+        order = self.batch.order(slots, np.fromiter((r.kind == "decode" for r in rows), dtype=bool, count=len(rows)))
         if not np.array_equal(order, slots):
             position = {slot: i for i, slot in enumerate(slots.tolist())}
             rows[:] = [rows[position[s]] for s in order.tolist()]
@@ -260,10 +316,12 @@ class Engine:
             if row.padding:
                 continue
             request = row.request
+            kind = row.kind                      # decided before the update
             request.num_computed_tokens += row.num_tokens
-            if request.num_computed_tokens < request.num_tokens or request.num_output_tokens == 0:
-                self._emit(ev.PrefillChunk, request.request_id, row.num_tokens, request.num_computed_tokens,
-                           request.num_tokens)
+            if kind != "decode":
+                self._emit(ev.PrefillChunk, request_id=request.request_id, num_tokens=row.num_tokens,
+                           num_computed_tokens=request.num_computed_tokens, num_known_tokens=request.num_tokens,
+                           recompute=kind == "recompute")
         outputs = []
         for row, token in zip(sampling_rows, tokens):
             request = row.request
@@ -271,7 +329,7 @@ class Engine:
             self.batch.append_token(request.request_id, token)
             if request.first_token_time is None:
                 request.first_token_time = now
-                self._emit(ev.FirstToken, request.request_id, now - request.arrival_time)
+                self._emit(ev.FirstToken, request_id=request.request_id, ttft_s=now - request.arrival_time)
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self._retire(request, reason, self.batch.slot_of[request.request_id])
@@ -287,20 +345,18 @@ class Engine:
         return None
 
     def _emit_plan(self, plan) -> None:
-        prefill_tokens = decode_tokens = num_prefill = num_decode = num_padding = 0
+        tokens = dict.fromkeys(ev.ROW_KINDS, 0)
+        rows = dict.fromkeys(ev.ROW_KINDS, 0)
         for row in plan.rows:
-            if row.padding:
-                num_padding += 1
-            elif row.num_tokens == 1 and row.request.num_output_tokens > 0:
-                decode_tokens += 1
-                num_decode += 1
-            else:
-                prefill_tokens += row.num_tokens
-                num_prefill += 1
-        self._emit(ev.StepPlanned, prefill_tokens, decode_tokens, num_prefill, num_decode, num_padding,
-                   plan.token_budget,
-                   len(self.scheduler.running), len(self.scheduler.waiting), self.kv.num_used_blocks,
-                   self.kv.num_blocks)
+            kind = row.kind
+            tokens[kind] += row.num_tokens
+            rows[kind] += 1
+        self._emit(ev.StepPlanned, prefill_tokens=tokens["prefill"], recompute_tokens=tokens["recompute"],
+                   decode_tokens=tokens["decode"], num_prefill_rows=rows["prefill"],
+                   num_recompute_rows=rows["recompute"], num_decode_rows=rows["decode"],
+                   num_padding_rows=rows["padding"], token_budget=plan.token_budget,
+                   num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                   kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks)
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -351,7 +407,7 @@ class Engine:
 
     def note_knob(self, name: str, old, new, source: str) -> None:
         """Announce a knob change (the engine's own, or one of a load driving it)."""
-        self._emit(ev.KnobChanged, name, old, new, source)
+        self._emit(ev.KnobChanged, name=name, old=old, new=new, source=source)
 
     def _apply_pending_batching_mode(self) -> None:
         if self._pending_batching_mode is None:
@@ -365,10 +421,14 @@ class Engine:
 
     def refuse(self, command: str, message: str) -> None:
         """Record that a control command was invalid and changed nothing."""
-        self._emit(ev.CommandRefused, command, message)
+        self._emit(ev.CommandRefused, command=command, message=message)
 
     def note_paused(self, paused: bool) -> None:
+        self.scheduler.note_paused(time.monotonic(), paused)
         self._emit(ev.EnginePaused if paused else ev.EngineResumed)
+        waiting = self.scheduler.waiting
+        self._note_blocked(Blocked("paused", waiting[0].request_id, len(waiting), len(self.scheduler.running))
+                           if paused and waiting else None)
 
     # -- blocking convenience ----------------------------------------------------------------
 

@@ -132,6 +132,10 @@ class EngineLoop:
             self._steps_allowed += 1
         self._commands.put(grant)
 
+    def request_snapshot(self, cause: str = "request") -> None:
+        """Have the engine publish an EngineSnapshot before its next step (a consumer joined or lost events)."""
+        self._commands.put(lambda: self.engine.emit_snapshot(cause))
+
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self._abort(request_id))
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
+from .admission import NEXT_STEP, Blocked, WaitClock
 from .block_pool import KVCacheManager
 from .request import Request, Status
 
@@ -41,6 +43,19 @@ class Row:
     num_tokens: int
     padding: bool = False        # static batching: a finished row computed again, its result thrown away
 
+    @cached_property
+    def kind(self) -> str:
+        """prefill | recompute | decode | padding (telemetry.events.ROW_KINDS), the one definition used
+        by the engine, StepPlanned and PrefillChunk. Read it before the step updates the request.
+        decode: the row computes only the newest output token; recompute: any other row of a request
+        that was preempted (it computes again what it had); prefill: the rest."""
+        if self.padding:
+            return "padding"
+        request = self.request
+        if self.num_tokens == 1 and request.num_output_tokens and request.num_tokens_to_compute == 1:
+            return "decode"
+        return "recompute" if request.num_preemptions else "prefill"
+
     @property
     def samples(self) -> bool:
         """True when this row's tokens bring the request level with its known tokens."""
@@ -57,10 +72,11 @@ class SchedulerOutput:
     rows: list[Row] = field(default_factory=list)      # running order
     admitted: list[Request] = field(default_factory=list)
     preempted: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, blocks freed, tokens to recompute)
-    released: list[Request] = field(default_factory=list)   # static padding rows whose batch ended: leave the batch
+    released: list[tuple[Request, int]] = field(default_factory=list)   # (padding row whose batch ended, blocks freed)
     token_budget: int = 0
     retracting: bool = False     # preempted rows were retracted (new_token_ratio rose)
     new_token_ratio: float = 0.0
+    blocked: Blocked | None = None   # what stopped admission at the head of the queue; None: nobody waits
 
     @property
     def num_tokens(self) -> int:
@@ -78,14 +94,17 @@ class Scheduler:
         self.running: list[Request] = []
         self.padding: list[Request] = []        # finished members of the current static batch
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.wait_clock = WaitClock()
+        self._now = 0.0                         # the time of the step being scheduled
 
     # -- queues -------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
-        self._enqueue(request, front=False)
+        self._enqueue(request, front=False, now=request.arrival_time)
 
-    def _enqueue(self, request: Request, front: bool) -> None:
+    def _enqueue(self, request: Request, front: bool, now: float) -> None:
+        request.wait_mark = self.wait_clock.mark(now)
         if self.policy == "priority":
             keys = [_priority_key(r) for r in self.waiting]
             self.waiting.insert(bisect.bisect(keys, _priority_key(request)), request)
@@ -94,13 +113,19 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    def remove(self, request: Request) -> int:
-        """Take a request out of whichever queue holds it and free its blocks; blocks freed."""
+    def remove(self, request: Request, now: float = 0.0) -> int:
+        """Take a request out of whichever queue holds it and free its blocks; blocks freed.
+        One taken from the queue keeps its last wait's split in `wait_split`."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            request.wait_split = self.wait_clock.split(request.wait_mark, now)
         return self.kv.free(request.request_id)
+
+    def note_paused(self, now: float, paused: bool) -> None:
+        """While the engine is paused, whoever waits, waits for that."""
+        self.wait_clock.set(now, "paused" if paused else NEXT_STEP)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.padding)
@@ -108,13 +133,22 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        """One step's plan at time `now`; `out.blocked` says why whoever still waits was not admitted."""
+        self._now = now
         out = SchedulerOutput(token_budget=self.knobs.max_num_batched_tokens)
         if self.padding and not self.running:
             out.released = self._end_static_batch()
         budget = self._schedule_running(out, out.token_budget)
         # A step that had to take memory away from someone admits nobody new.
-        if not out.preempted and self._may_admit(now):
-            self._schedule_waiting(out, budget)
+        if out.preempted:
+            out.blocked = self._blocked("preemption")
+        elif self._may_admit(now):
+            out.blocked = self._schedule_waiting(out, budget)
+        else:
+            out.blocked = self._batch_blocked(now)
+        if not self.waiting:
+            out.blocked = None
+        self.wait_clock.set(now, out.blocked.reason if out.blocked else NEXT_STEP)
         out.rows += [Row(r, 1, padding=True) for r in self.padding]
         if self.knobs.preemption_mode == "retract":
             if not out.preempted:
@@ -136,15 +170,26 @@ class Scheduler:
             return full or now - self.waiting[0].arrival_time >= self.knobs.dynamic_timeout_s
         return True
 
+    def _blocked(self, reason: str, **numbers) -> Blocked | None:
+        if not self.waiting:
+            return None
+        return Blocked(reason, self.waiting[0].request_id, len(self.waiting), len(self.running), **numbers)
+
+    def _batch_blocked(self, now: float) -> Blocked | None:
+        """Why a static or dynamic batch takes nobody this step."""
+        size = self._static_batch_size()
+        if self.running or self.padding or self.knobs.batching_mode == "static":
+            return self._blocked("static_batch", limit=size)
+        waited = now - self.waiting[0].arrival_time if self.waiting else 0.0
+        return self._blocked("dynamic_batch", limit=size, wait_more_s=max(0.0, self.knobs.dynamic_timeout_s - waited))
+
     def _static_batch_size(self) -> int:
         return min(self.knobs.static_batch_size, self.knobs.max_num_seqs)
 
-    def _end_static_batch(self) -> list[Request]:
+    def _end_static_batch(self) -> list[tuple[Request, int]]:
         """The longest row of the static batch finished: its padding rows give their blocks back."""
         released, self.padding = self.padding, []
-        for request in released:
-            self.kv.free(request.request_id)
-        return released
+        return [(request, self.kv.free(request.request_id)) for request in released]
 
     def _chunk(self, request: Request, budget: int) -> int:
         num_tokens = min(request.num_tokens_to_compute, budget)
@@ -179,33 +224,45 @@ class Scheduler:
         out.rows = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> Blocked | None:
+        """Admit from the head of the queue; what stopped it (None when the queue emptied)."""
         continuous = self.knobs.batching_mode == "continuous"
         cap = self.knobs.max_num_seqs if continuous else self._static_batch_size()
         # A static batch is formed whole; its rows may start with no tokens if the budget is short.
-        while self.waiting and (budget > 0 or not continuous) and len(self.running) < cap:
+        while self.waiting:
+            if len(self.running) >= cap:
+                return self._blocked("max_num_seqs" if continuous else "static_batch", limit=cap)
             request = self.waiting[0]
+            if continuous and budget <= 0:
+                return self._blocked("budget", tokens_left=budget, tokens_needed=self._chunk(request, 1 << 30))
             num_tokens = self._chunk(request, budget)
-            if not self._can_admit(request, num_tokens):
-                break          # head of line waits for memory; nobody jumps the queue
+            reserve = self._kv_reserve(request)
+            if not self.kv.can_allocate(request.request_id, num_tokens, reserve):
+                # Head of line waits for memory; nobody jumps the queue.
+                needed = self.kv.blocks_needed(num_tokens) - self.kv.num_blocks_held(request.request_id)
+                return self._blocked("kv", blocks_needed=needed, blocks_free=self.kv.num_free_blocks,
+                                     blocks_reserved=reserve)
             self.kv.try_allocate(request.request_id, num_tokens)
             self.waiting.popleft()
             request.status = Status.RUNNING
+            request.wait_split = self.wait_clock.split(request.wait_mark, self._now)
+            request.admit_time = request.admit_time or self._now
             self.running.append(request)
             out.admitted.append(request)
             if num_tokens > 0:
                 out.rows.append(Row(request, num_tokens))
             budget -= num_tokens
+        return None
 
-    def _can_admit(self, request: Request, num_tokens: int) -> bool:
-        """recompute: the first chunk must fit. retract: also keep room for what the running requests
-        are estimated to still generate (new_token_ratio of their remaining max_tokens)."""
-        reserve = 0
-        if self.knobs.preemption_mode == "retract":
-            remaining = sum(r.sampling.max_tokens - r.num_output_tokens for r in self.running)
-            remaining += request.sampling.max_tokens
-            reserve = self.kv.blocks_needed(int(remaining * self.new_token_ratio))
-        return self.kv.can_allocate(request.request_id, num_tokens, reserve)
+    def _kv_reserve(self, request: Request) -> int:
+        """Blocks admission keeps free. recompute: none (the first chunk must fit). retract: room for
+        what the running requests are estimated to still generate (new_token_ratio of their remaining
+        max_tokens)."""
+        if self.knobs.preemption_mode != "retract":
+            return 0
+        remaining = sum(r.sampling.max_tokens - r.num_output_tokens for r in self.running)
+        remaining += request.sampling.max_tokens
+        return self.kv.blocks_needed(int(remaining * self.new_token_ratio))
 
     def _pick_victim(self) -> Request:
         """recompute: lowest priority first, then the latest arrival.
@@ -225,7 +282,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = Status.PREEMPTED
-        self._enqueue(victim, front=True)
+        self._enqueue(victim, front=True, now=self._now)
         out.preempted.append((victim, blocks_freed, tokens_to_recompute))
         if self.knobs.preemption_mode == "retract":
             self._raise_new_token_ratio()
@@ -239,7 +296,7 @@ class Scheduler:
 
     # -- after the forward pass ------------------------------------------------------
 
-    def finish(self, request: Request, reason: str) -> bool:
+    def finish(self, request: Request, reason: str, now: float = 0.0) -> bool:
         """Retire a request. True when it leaves the batch now; False when it stays as a static padding
         row (its blocks held) until the longest row of its batch finishes."""
         stays_as_padding = (self.knobs.batching_mode != "continuous" and reason not in ("abort", "error")
@@ -248,7 +305,7 @@ class Scheduler:
             self.running.remove(request)
             self.padding.append(request)
         else:
-            self.remove(request)
+            self.remove(request, now)
         request.status = Status.FINISHED
         request.finish_reason = reason
         return not stays_as_padding

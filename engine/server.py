@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from batchtop.telemetry import events as ev
 from batchtop.telemetry.stream import (SSE_HEADERS, BearerAuth, EventRing, bind_socket, check_bind, error_body,
                                        events_response)
 
@@ -127,6 +128,8 @@ class BatchtopServer:
         """Move newly published events into the ring and the metrics (asyncio thread)."""
         events = self.subscription.drain()
         if events:
+            if type(events[0]) is ev.EventsDropped:
+                self.loop.request_snapshot("drop")
             self.ring.extend(events)
             self.metrics.feed(events)
 
@@ -396,7 +399,8 @@ def build_app(server: BatchtopServer) -> FastAPI:
         server.pump()
         try:
             return events_response(server.ring, request.headers.get("last-event-id"), from_step, server.hello(),
-                                   closing=lambda: server.closing)
+                                   closing=lambda: server.closing,
+                                   on_join=lambda: server.loop.request_snapshot("subscribe"))
         except ValueError as error:
             raise ApiError(400, str(error), param="Last-Event-ID") from None
 

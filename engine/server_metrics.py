@@ -65,6 +65,8 @@ class ServerMetrics:
         self._last_sample: dict[str, float] = {}
         self.paused = False
         self.knobs: dict[str, object] = {}
+        self.waiting_s = dict.fromkeys(ev.WAIT_REASONS, 0.0)   # request-seconds in the queue, by reason
+        self.admission_blocked: str | None = None              # the reason, while anyone waits
 
     def feed(self, events) -> None:
         for e in events:
@@ -74,6 +76,12 @@ class ServerMetrics:
             elif kind is ev.StepPlanned:
                 self.num_running, self.num_waiting = e.num_running, e.num_waiting
                 self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
+                if not e.num_waiting:
+                    self.admission_blocked = None
+            elif kind is ev.RequestAdmitted:
+                self._waited(e)
+            elif kind is ev.AdmissionBlocked:
+                self.admission_blocked = e.reason
             elif kind is ev.RequestArrived:
                 self._arrival[e.request_id] = (e.t, e.num_prompt_tokens)
                 self.num_waiting += 1
@@ -84,6 +92,7 @@ class ServerMetrics:
                 if arrival is not None:
                     self.prompt_tokens += arrival[1]
             elif kind is ev.RequestRetired:
+                self._waited(e)
                 self._retired(e)
             elif kind is ev.RequestPreempted:
                 self.preemptions += 1
@@ -108,6 +117,11 @@ class ServerMetrics:
             if before is not None:
                 self.itl.observe(e.t - before)
             last[request_id] = e.t
+
+    def _waited(self, e: ev.RequestAdmitted | ev.RequestRetired) -> None:
+        waiting_s = self.waiting_s
+        for reason, seconds in zip(e.wait_reasons, e.wait_s):
+            waiting_s[reason] = waiting_s.get(reason, 0.0) + seconds
 
     def _retired(self, e: ev.RequestRetired) -> None:
         self.finished[e.reason] += 1
@@ -149,6 +163,14 @@ class ServerMetrics:
         metric("batchtop_requests_finished_total", "counter", "Requests retired, by reason.",
                [f'batchtop_requests_finished_total{{{model},reason="{_escape(r)}"}} {n}'
                 for r, n in sorted(self.finished.items())])
+        metric("batchtop_request_waiting_seconds_total", "counter",
+               "Seconds requests spent in the waiting queue, by what stopped admission (counted when each wait ends).",
+               [f'batchtop_request_waiting_seconds_total{{{model},reason="{r}"}} {s!r}'
+                for r, s in self.waiting_s.items()])
+        metric("batchtop_admission_blocked", "gauge",
+               "1 for what stops admission at the head of the waiting queue now (all 0 when nobody waits).",
+               [f'batchtop_admission_blocked{{{model},reason="{r}"}} {int(r == self.admission_blocked)}'
+                for r in ev.WAIT_REASONS if r != "next_step"])
         numeric = {k: v for k, v in self.knobs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         metric("batchtop_knob", "gauge", "Numeric engine knobs.",
                [f'batchtop_knob{{{model},name="{k}"}} {v}' for k, v in sorted(numeric.items())])

@@ -22,12 +22,16 @@ def sample_events(batch_rows: int = 32) -> list[Event]:
     """One decode step of a `batch_rows`-row batch plus a few request events: a typical mix."""
     ids = tuple(f"req-{i:06d}" for i in range(batch_rows))
     return [
-        StepPlanned(1000, 1.0, 0, batch_rows, 0, batch_rows, 0, 2048, batch_rows, 3, 812, 4096),
-        RequestAdmitted(1000, 1.0, "req-000123", 5, 0, False),
-        PrefillChunk(1000, 1.0, "req-000123", 512, 512, 512),
-        StepFinished(1000, 1.01, batch_rows, batch_rows, ids, batch_rows, 3, 812, 4096,
-                     1e-4, 2e-4, 8e-3, 3e-4, 1e-4),
-        FirstToken(1000, 1.01, "req-000123", 0.25),
+        StepPlanned(step=1000, t=1.0, prefill_tokens=0, decode_tokens=batch_rows, num_prefill_rows=0,
+                    num_decode_rows=batch_rows, num_padding_rows=0, token_budget=2048, num_running=batch_rows,
+                    num_waiting=3, kv_blocks_used=812, kv_blocks_total=4096, recompute_tokens=0, num_recompute_rows=0),
+        RequestAdmitted(step=1000, t=1.0, request_id="req-000123", slot=5, num_computed_tokens=0, resumed=False),
+        PrefillChunk(step=1000, t=1.0, request_id="req-000123", num_tokens=512, num_computed_tokens=512,
+                     num_known_tokens=512),
+        StepFinished(step=1000, t=1.01, num_rows=batch_rows, num_tokens=batch_rows, sampled_request_ids=ids,
+                     num_running=batch_rows, num_waiting=3, kv_blocks_used=812, kv_blocks_total=4096, schedule_s=1e-4,
+                     prepare_s=2e-4, forward_s=8e-3, sample_s=3e-4, update_s=1e-4),
+        FirstToken(step=1000, t=1.01, request_id="req-000123", ttft_s=0.25),
     ]
 
 

@@ -33,7 +33,7 @@ def _with_drop_notice(items: list[Event], num_dropped: int) -> list[Event]:
     if num_dropped <= 0:
         return items
     first = items[0]
-    return [EventsDropped(first.step, first.t, num_dropped), *items]
+    return [EventsDropped(step=first.step, t=first.t, count=num_dropped), *items]
 
 
 class Subscription:

@@ -5,16 +5,17 @@ seconds (time.monotonic() on the engine's clock). Events hold ids and numbers,
 never live objects or tensors, so they serialise as flat JSON objects:
 `{"kind": "RequestAdmitted", "step": 3, "t": 12.5, ...}`.
 
+Events are built with named fields only (kw_only): a reordered field cannot shift values.
 Bump SCHEMA_VERSION whenever a field is added, removed or changes meaning.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-SCHEMA_VERSION = 2              # 2: StepFinished.num_padded_tokens
+SCHEMA_VERSION = 2              # 2: named fields, row kinds, blocks, snapshots, admission; graph padding
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Event:
     step: int
     t: float
@@ -27,12 +28,15 @@ class Event:
         return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlanned(Event):
-    """The scheduler's plan for this step, before the forward pass."""
-    prefill_tokens: int          # tokens of rows still catching up with their known tokens
+    """The scheduler's plan for this step, before the forward pass. Rows are of one kind each
+    (ROW_KINDS): prefill, recompute, decode or padding."""
+    prefill_tokens: int          # prompt tokens of requests never preempted
+    recompute_tokens: int        # tokens of preempted requests catching up again (prompt + output)
     decode_tokens: int           # one per decoding row
     num_prefill_rows: int
+    num_recompute_rows: int
     num_decode_rows: int
     num_padding_rows: int        # static mode: finished rows still computed as padding
     token_budget: int            # max_num_batched_tokens in force this step
@@ -42,7 +46,7 @@ class StepPlanned(Event):
     kv_blocks_total: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepFinished(Event):
     """The step is done: phase timings and who produced a token."""
     num_rows: int                # rows computed, static padding rows included (row-steps of this step)
@@ -60,7 +64,7 @@ class StepFinished(Event):
     num_padded_tokens: int = 0   # tokens computed only to fill a replayed CUDA graph (one per padding row)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestArrived(Event):
     request_id: str
     num_prompt_tokens: int
@@ -68,31 +72,43 @@ class RequestArrived(Event):
     priority: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestAdmitted(Event):
     """Moved from waiting to running, into batch row `slot`."""
     request_id: str
     slot: int
     num_computed_tokens: int     # > 0 never for recompute; kept for future prefix reuse
     resumed: bool                # True when it had been preempted or retracted before
+    wait_reasons: tuple[str, ...] = ()   # this wait in the queue split by WAIT_REASONS (non-zero ones)
+    wait_s: tuple[float, ...] = ()       # seconds per entry of wait_reasons; they sum to the wait
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillChunk(Event):
-    """A row computed `num_tokens` of its known tokens (prompt, or prompt + output after preemption)."""
+    """A prefill or recompute row computed `num_tokens` of its known tokens: every row that is not
+    decode or padding emits one (recompute: prompt + output again after a preemption)."""
     request_id: str
     num_tokens: int
     num_computed_tokens: int     # after this chunk
     num_known_tokens: int        # prompt + output tokens so far; the chunk is the last when equal
+    recompute: bool = False      # the request was preempted before: it computes these tokens again
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlocksAllocated(Event):
+    """The request's KV holding grew (admission, a chunk, a decode row crossing a block boundary)."""
+    request_id: str
+    num_new_blocks: int
+    num_blocks: int              # held now
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FirstToken(Event):
     request_id: str
     ttft_s: float                # since arrival
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestRetired(Event):
     """Left the batch for good. reason: stop | length | abort | error."""
     request_id: str
@@ -100,9 +116,20 @@ class RequestRetired(Event):
     slot: int                    # -1 when it retired from the waiting queue
     num_prompt_tokens: int
     num_output_tokens: int
+    num_blocks: int = 0          # held after retiring: > 0 only for a static batch's padding row
+    wait_reasons: tuple[str, ...] = ()   # retired from the queue: its last wait, as RequestAdmitted's
+    wait_s: tuple[float, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PaddingReleased(Event):
+    """A static batch ended: a finished row that stayed as padding leaves the batch and frees its blocks."""
+    request_id: str
+    slot: int
+    blocks_freed: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RowMoved(Event):
     """condense: the highest row slid down into a hole; only its live token prefix was copied."""
     request_id: str
@@ -111,7 +138,7 @@ class RowMoved(Event):
     num_bytes: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BatchRebuilt(Event):
     """Per-step cost of the persistent batch layout (condense | indexmap | gather).
 
@@ -126,7 +153,7 @@ class BatchRebuilt(Event):
     num_bytes: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestPreempted(Event):
     """Recompute preemption: blocks freed, generated tokens kept, recomputed on readmission."""
     request_id: str
@@ -136,7 +163,7 @@ class RequestPreempted(Event):
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestRetracted(Event):
     """Retraction (SGLang style): like preemption, and the admission estimate rises."""
     request_id: str
@@ -146,7 +173,7 @@ class RequestRetracted(Event):
     new_token_ratio: float       # the ratio after this retraction
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KnobChanged(Event):
     name: str
     old: object
@@ -154,24 +181,81 @@ class KnobChanged(Event):
     source: str                  # cli | tui | api | test
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CommandRefused(Event):
     """A control command was invalid and changed nothing."""
     command: str
     message: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EnginePaused(Event):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineResumed(Event):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionBlocked(Event):
+    """What stopped admission at the head of the waiting queue (emitted when the reason or the head
+    changes). Fields that do not belong to `reason` are 0."""
+    reason: str                  # one of WAIT_REASONS but "next_step"
+    request_id: str              # the head of the queue
+    num_waiting: int
+    num_running: int
+    tokens_left: int = 0         # budget: what was left of max_num_batched_tokens
+    tokens_needed: int = 0       # budget: the head's next chunk
+    limit: int = 0               # max_num_seqs: the knob; static_batch / dynamic_batch: the batch size B
+    blocks_needed: int = 0       # kv: new blocks the head's first chunk needs
+    blocks_free: int = 0
+    blocks_reserved: int = 0     # kv, retract mode: kept free for the running requests' growth
+    wait_more_s: float = 0.0     # dynamic_batch: until the timeout forms a partial batch
+
+    def describe(self) -> str:
+        """The reason in words, with its numbers."""
+        head = f"head {self.request_id}"
+        reason = self.reason
+        if reason == "budget":
+            return f"token budget spent — {head} needs {self.tokens_needed}, {self.tokens_left} left"
+        if reason == "max_num_seqs":
+            return f"max_num_seqs reached — {self.num_running} running of {self.limit}"
+        if reason == "kv":
+            reserve = f", {self.blocks_reserved} reserved" if self.blocks_reserved else ""
+            return f"KV pool — {head} needs {self.blocks_needed} blocks, {self.blocks_free} free{reserve}"
+        if reason == "static_batch":
+            return f"static batch of {self.limit} still running ({self.num_running} rows)"
+        if reason == "dynamic_batch":
+            return (f"dynamic batch forming — {self.num_waiting} of {self.limit} waiting, "
+                    f"waits {self.wait_more_s:.2f} s more")
+        if reason == "preemption":
+            return "no admission in a step that preempted"
+        if reason == "paused":
+            return "engine paused"
+        return reason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSnapshot(Event):
+    """The engine's whole request state between steps, one entry per request in each tuple: running
+    (running order), then padding rows, then waiting (queue order). A consumer that starts from it
+    and folds the following events holds exactly the engine's state (telemetry.state)."""
+    cause: str                   # subscribe | drop | interval | request
+    request_ids: tuple[str, ...]
+    statuses: tuple[str, ...]    # running | padding | waiting | preempted
+    slots: tuple[int, ...]       # -1 when not in the batch
+    num_prompt_tokens: tuple[int, ...]
+    num_output_tokens: tuple[int, ...]
+    num_computed_tokens: tuple[int, ...]
+    num_blocks: tuple[int, ...]
+    max_tokens: tuple[int, ...]
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EventsDropped(Event):
     """Told to one subscriber whose buffer overflowed: its oldest `count` events were dropped."""
     count: int
@@ -183,9 +267,17 @@ EVENT_TYPES: dict[str, type[Event]] = {
         StepPlanned, StepFinished, RequestArrived, RequestAdmitted, PrefillChunk,
         FirstToken, RequestRetired, RowMoved, BatchRebuilt, RequestPreempted,
         RequestRetracted, KnobChanged, CommandRefused, EnginePaused, EngineResumed,
-        EventsDropped,
+        EventsDropped, BlocksAllocated, PaddingReleased, AdmissionBlocked, EngineSnapshot,
     )
 }
+
+# A row's kind, decided once (engine.scheduler.Row.kind) for the engine, StepPlanned and PrefillChunk.
+ROW_KINDS = ("prefill", "recompute", "decode", "padding")
+
+# Why a request waits: what stopped admission at the head of the queue while it waited.
+# next_step: the queue was empty at the last decision (it arrived during a step).
+WAIT_REASONS = ("budget", "max_num_seqs", "kv", "static_batch", "dynamic_batch", "preemption", "paused",
+                "next_step")
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 

@@ -83,6 +83,11 @@ class RequestRecord:
     num_retractions: int = 0
     last_sample_t: float | None = None
     prompt_counted: bool = False             # its prompt tokens are in Metrics.num_prompt_tokens
+    wait_s: dict[str, float] = field(default_factory=dict)   # queue time by reason, over all its waits
+
+    @property
+    def queue_s(self) -> float:
+        return sum(self.wait_s.values())
 
     @property
     def tpot_s(self) -> float | None:
@@ -123,6 +128,7 @@ class MetricsSummary:
     num_arrived: int
     num_finished: int
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    wait_s_by_reason: dict[str, float] = field(default_factory=dict)   # request-seconds queued, by reason
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,6 +156,7 @@ class Metrics:
         self.num_preemptions = 0
         self.num_retractions = 0
         self.finished_by_reason: Counter[str] = Counter()
+        self.wait_s_by_reason: dict[str, float] = {}
         self._ttft = array("d")
         self._tpot = array("d")
         self._itl = array("d")
@@ -209,6 +216,12 @@ class Metrics:
         rec = self._record(e.request_id)
         if rec.admitted_t is None:
             rec.admitted_t = e.t
+        self._waited(rec, e)
+
+    def _waited(self, rec: RequestRecord, e: RequestAdmitted | RequestRetired) -> None:
+        for reason, seconds in zip(e.wait_reasons, e.wait_s):
+            rec.wait_s[reason] = rec.wait_s.get(reason, 0.0) + seconds
+            self.wait_s_by_reason[reason] = self.wait_s_by_reason.get(reason, 0.0) + seconds
 
     def _on_first_token(self, e: FirstToken) -> None:
         rec = self._record(e.request_id)
@@ -229,6 +242,7 @@ class Metrics:
         rec.finished_t = e.t
         rec.reason = e.reason
         rec.num_output_tokens = e.num_output_tokens
+        self._waited(rec, e)
         if rec.num_prompt_tokens is None:
             rec.num_prompt_tokens = e.num_prompt_tokens
         if rec.first_token_t is not None:
@@ -287,6 +301,7 @@ class Metrics:
             num_arrived=sum(1 for r in self.requests.values() if r.arrival_t is not None),
             num_finished=sum(self.finished_by_reason.values()),
             finished_by_reason=dict(self.finished_by_reason),
+            wait_s_by_reason=dict(self.wait_s_by_reason),
         )
 
 

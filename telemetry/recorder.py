@@ -29,6 +29,26 @@ from .events import SCHEMA_VERSION, Event, event_from_dict
 
 HEADER_KIND = "Header"
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1, SCHEMA_VERSION})
+
+# Version 1 lacked: StepPlanned's recompute split (its prefill counted recompute), PrefillChunk's
+# recompute flag, RequestAdmitted's / RequestRetired's wait split, RequestRetired's num_blocks and
+# StepFinished's num_padded_tokens.
+# Upgrading fills them with "none seen"; the kinds added in version 2 never occur in a v1 log.
+_V1_DEFAULTS = {
+    "StepPlanned": {"recompute_tokens": 0, "num_recompute_rows": 0},
+    "StepFinished": {"num_padded_tokens": 0},
+    "PrefillChunk": {"recompute": False},
+    "RequestAdmitted": {"wait_reasons": [], "wait_s": []},
+    "RequestRetired": {"num_blocks": 0, "wait_reasons": [], "wait_s": []},
+}
+
+
+def upgrade_v1(data: dict) -> dict:
+    """A version-1 event dict in the current schema."""
+    defaults = _V1_DEFAULTS.get(data.get("kind"))
+    return {**defaults, **data} if defaults else data
+
+
 DEFAULT_RECORDER_MAXLEN = 100_000     # at the default 0.2 s flush: 500k events/s before loss
 
 # Compact separators; default=str keeps an odd knob value (say an enum) from
@@ -47,8 +67,8 @@ def decode_event(text: str | bytes, schema_version: int = SCHEMA_VERSION) -> Eve
     data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"an event is a JSON object, got {type(data).__name__}")
-    if schema_version == 1 and data.get("kind") == "StepFinished":
-        data.setdefault("num_padded_tokens", 0)          # version 2 added it; nothing was padded before
+    if schema_version == 1:
+        data = upgrade_v1(data)
     return event_from_dict(data)
 
 

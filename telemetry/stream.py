@@ -150,11 +150,15 @@ async def event_stream(ring: EventRing, start: int, hello: dict, notice: dict | 
 
 
 def events_response(ring: EventRing, last_event_id: str | None, from_step: int | None, hello: dict, *,
-                    closing=lambda: False) -> StreamingResponse:
-    """The `GET /v1/events` answer; ValueError when `Last-Event-ID` is not an event seq."""
+                    closing=lambda: False, on_join=None) -> StreamingResponse:
+    """The `GET /v1/events` answer; ValueError when `Last-Event-ID` is not an event seq. `on_join()` is
+    called when the stream joins live or after a gap (the client holds no exact state: the engine
+    should publish a snapshot)."""
     if last_event_id is not None and not last_event_id.strip().isdigit():
         raise ValueError(f"Last-Event-ID must be an event seq (an integer), got {last_event_id!r}")
     start, notice = resolve_start(ring, last_event_id.strip() if last_event_id else None, from_step)
+    if on_join is not None and (notice is not None or start == ring.next_seq):
+        on_join()
     return StreamingResponse(event_stream(ring, start, hello, notice, closing=closing),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 

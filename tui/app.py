@@ -126,7 +126,7 @@ class BatchtopApp(App):
 
     def _new_model(self) -> DashboardModel:
         knobs = dict(self.source.knobs)
-        return DashboardModel(block_size=int(knobs.get("block_size") or 16), knobs=knobs)
+        return DashboardModel(knobs=knobs)
 
     # -- layout ----------------------------------------------------------------------------
 

@@ -9,6 +9,9 @@ Slots come from RequestAdmitted / RowMoved / RequestRetired / RequestPreempted /
 RequestRetracted; a slot's look during the last finished step comes from what its
 request did in that step (PrefillChunk → prefill, sampled → decode). Marks such as
 "just admitted" belong to the step they happened in and fade when a later step finishes.
+KV blocks per request are exact (BlocksAllocated); an EngineSnapshot (asked for after a drop)
+resets every live request to the engine's state. Waiting time by reason: exact splits from
+RequestAdmitted, and for a request still waiting, a WaitClock driven by AdmissionBlocked.
 """
 from __future__ import annotations
 
@@ -16,11 +19,14 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from batchtop.engine.admission import NEXT_STEP, WaitClock
 from batchtop.telemetry.events import (
-    BatchRebuilt, CommandRefused, EnginePaused, EngineResumed, Event, EventsDropped, FirstToken,
+    AdmissionBlocked, BatchRebuilt, BlocksAllocated, CommandRefused, EnginePaused, EngineResumed, EngineSnapshot,
+    Event, EventsDropped, FirstToken, PaddingReleased,
     KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted, RequestRetired,
     RequestRetracted, RowMoved, StepFinished, StepPlanned,
 )
+from batchtop.telemetry.export import wait_line
 from batchtop.telemetry.metrics import percentile
 from batchtop.telemetry.rates import WindowedRates
 
@@ -31,7 +37,8 @@ MAX_LOG_EVENTS = 2000           # the event log ring
 MAX_SLOTS = 4096                # slot grid ceiling, whatever the events claim
 HISTORY_BUCKET_S = 0.5          # one plot point per half second of event time
 MAX_HISTORY = 1200              # 10 minutes of plot points
-MAX_LATENCY_SAMPLES = 256       # recent TTFT / TPOT values behind the percentiles
+MAX_LATENCY_SAMPLES = 1024      # recent (t, TTFT / TPOT) samples behind the percentiles
+LATENCY_WINDOW_S = 10.0         # a plot point's latency percentiles: samples of the last 10 s
 MAX_KNOB_MARKS = 64
 RATE_WINDOW_S = 5.0
 
@@ -67,19 +74,20 @@ class RequestView:
     finish_t: float | None = None
     ttft_s: float | None = None
     num_preemptions: int = 0
+    num_blocks: int = 0
     last_chunk_step: int = -1
     last_sample_step: int = -1
+    wait_s: dict = field(default_factory=dict)   # finished waits by reason (exact, from RequestAdmitted)
+    wait_mark: object = None                     # the model's WaitClock reading when it joined the queue
     timeline: deque = field(default_factory=lambda: deque(maxlen=MAX_TIMELINE))
 
     @property
     def finished(self) -> bool:
         return self.state not in LIVE_STATES
 
-    def kv_blocks(self, block_size: int) -> int | None:
-        """Blocks the request holds, estimated from its computed tokens (None when not resident)."""
-        if self.state != "running" or block_size <= 0:
-            return None
-        return -(-self.num_computed_tokens // block_size)
+    def kv_blocks(self) -> int | None:
+        """Blocks the request holds (None when not resident)."""
+        return self.num_blocks if self.state == "running" else None
 
     def age_s(self, now: float) -> float | None:
         if self.arrival_t is None:
@@ -93,7 +101,8 @@ class RequestView:
 
 @dataclass(slots=True)
 class HistoryPoint:
-    """One plot sample: rates over its bucket, levels at its end, latency percentiles so far."""
+    """One plot sample: rates over its bucket, levels at its end, latency percentiles over the
+    LATENCY_WINDOW_S before its end."""
     t: float
     out_tok_s: float
     in_tok_s: float
@@ -118,7 +127,6 @@ class KnobMark:
 
 @dataclass
 class DashboardModel:
-    block_size: int = 16
     knobs: dict = field(default_factory=dict)
     # header numbers
     step: int = 0                        # newest step number seen in any event
@@ -133,6 +141,7 @@ class DashboardModel:
     num_graph_padding_rows: int = 0      # the newest step's CUDA-graph padding (one row per padded token)
     graph_padding_seen: bool = False     # any step was padded: the legend and header then show it
     paused: bool = False
+    admission: AdmissionBlocked | None = None   # what stops admission now; None while nobody waits
     last_t: float | None = None
     num_events: int = 0
     num_dropped: int = 0
@@ -147,9 +156,10 @@ class DashboardModel:
         self.log: deque[Event] = deque(maxlen=MAX_LOG_EVENTS)
         self.history: deque[HistoryPoint] = deque(maxlen=MAX_HISTORY)
         self.knob_marks: deque[KnobMark] = deque(maxlen=MAX_KNOB_MARKS)
-        self.ttft_samples: deque[float] = deque(maxlen=MAX_LATENCY_SAMPLES)
-        self.tpot_samples: deque[float] = deque(maxlen=MAX_LATENCY_SAMPLES)
+        self.ttft_samples: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)   # (t, seconds)
+        self.tpot_samples: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)
         self.rates = WindowedRates(RATE_WINDOW_S)
+        self.wait_clock = WaitClock()
         self._bucket_end: float | None = None
         self._bucket_out = 0
         self._bucket_in = 0
@@ -162,6 +172,8 @@ class DashboardModel:
             KnobChanged: self._on_knob, CommandRefused: self._on_refused,
             EnginePaused: self._on_paused, EngineResumed: self._on_resumed,
             EventsDropped: self._on_dropped, BatchRebuilt: None,
+            BlocksAllocated: self._on_blocks, PaddingReleased: self._on_padding_released,
+            AdmissionBlocked: self._on_blocked, EngineSnapshot: self._on_snapshot,
         }
 
     # -- folding ---------------------------------------------------------------------------
@@ -197,7 +209,7 @@ class DashboardModel:
             self.history.append(HistoryPoint(
                 self._bucket_end, self._bucket_out / HISTORY_BUCKET_S, self._bucket_in / HISTORY_BUCKET_S,
                 self.num_running, self.num_waiting, self.kv_pct,
-                *_p50_p99(self.ttft_samples), *_p50_p99(self.tpot_samples)))
+                *_p50_p99(self.ttft_samples, self._bucket_end), *_p50_p99(self.tpot_samples, self._bucket_end)))
             self._bucket_out = self._bucket_in = 0
             self._bucket_end += HISTORY_BUCKET_S
             if t - self._bucket_end > HISTORY_BUCKET_S * MAX_HISTORY:
@@ -224,13 +236,16 @@ class DashboardModel:
     def _on_planned(self, e: StepPlanned) -> None:
         self.num_running, self.num_waiting = e.num_running, e.num_waiting
         self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
-        self.budget_used = e.prefill_tokens + e.decode_tokens
+        self.budget_used = e.prefill_tokens + e.recompute_tokens + e.decode_tokens
         self.token_budget = e.token_budget
         self.num_padding_rows = e.num_padding_rows
-        if e.num_padding_rows == 0:
-            self.padding_slots.clear()
-        elif len(self.padding_slots) > e.num_padding_rows:
-            del self.padding_slots[:len(self.padding_slots) - e.num_padding_rows]
+        if not e.num_waiting:
+            self._admission_open(e.t)
+
+    def _admission_open(self, t: float) -> None:
+        if self.admission is not None:
+            self.admission = None
+            self.wait_clock.set(t, NEXT_STEP)
 
     def _on_finished(self, e: StepFinished) -> None:
         self.finished_step = e.step
@@ -255,17 +270,67 @@ class DashboardModel:
     def _on_arrived(self, e: RequestArrived) -> None:
         req = self._request(e.request_id)
         req.num_prompt_tokens, req.max_tokens, req.arrival_t = e.num_prompt_tokens, e.max_tokens, e.t
+        req.wait_mark = self.wait_clock.mark(e.t)
         req.note(e.step, e.t, f"arrived: {e.num_prompt_tokens} prompt tokens, max {e.max_tokens}")
 
     def _on_admitted(self, e: RequestAdmitted) -> None:
         req = self._request(e.request_id)
         req.state, req.slot = "running", e.slot
         req.num_computed_tokens = e.num_computed_tokens
+        req.wait_mark = None
+        for reason, seconds in zip(e.wait_reasons, e.wait_s):
+            req.wait_s[reason] = req.wait_s.get(reason, 0.0) + seconds
         self._occupy(e.slot, e.request_id)
         self.marks[e.slot] = ("admitted", e.step)
         if e.slot in self.padding_slots:
             self.padding_slots.remove(e.slot)
-        req.note(e.step, e.t, f"{'resumed' if e.resumed else 'admitted'} into slot {e.slot}")
+        waited = f" after waiting {wait_line(dict(zip(e.wait_reasons, e.wait_s)))}" if e.wait_s else ""
+        req.note(e.step, e.t, f"{'resumed' if e.resumed else 'admitted'} into slot {e.slot}{waited}")
+
+    def _on_blocks(self, e: BlocksAllocated) -> None:
+        self._request(e.request_id).num_blocks = e.num_blocks
+
+    def _on_padding_released(self, e: PaddingReleased) -> None:
+        if e.slot in self.padding_slots:
+            self.padding_slots.remove(e.slot)
+
+    def _on_blocked(self, e: AdmissionBlocked) -> None:
+        self.admission = e
+        self.wait_clock.set(e.t, e.reason)
+
+    def _on_snapshot(self, e: EngineSnapshot) -> None:
+        """The engine's state: live requests and slots start again from it."""
+        live, self.live = self.live, {}
+        self.slots, self.padding_slots = [], []
+        mark = self.wait_clock.mark(e.t)
+        for request_id, status, slot, prompt, output, computed, blocks, max_tokens in zip(
+                e.request_ids, e.statuses, e.slots, e.num_prompt_tokens, e.num_output_tokens,
+                e.num_computed_tokens, e.num_blocks, e.max_tokens):
+            if status == "padding":
+                self.padding_slots.append(slot)
+                continue
+            req = live.get(request_id) or self.retired.pop(request_id, None) or RequestView(request_id)
+            self.live[request_id] = req
+            req.state, req.slot, req.num_blocks = status, slot, blocks
+            req.num_prompt_tokens, req.max_tokens = prompt, max_tokens
+            req.num_computed_tokens, req.num_output_tokens = computed, output
+            if status == "running":
+                self._occupy(slot, request_id)
+                req.wait_mark = None
+            elif req.wait_mark is None:
+                req.wait_mark = mark
+        self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
+        self.message = f"state resynchronised from a snapshot ({e.cause}) at step {e.step}"
+
+    def waited(self, req: RequestView, now: float) -> dict[str, float]:
+        """Seconds `req` has waited in the queue by reason, its current wait included."""
+        if req.wait_mark is None or req.finished:
+            return req.wait_s
+        reasons, seconds = self.wait_clock.split(req.wait_mark, max(now, req.wait_mark.t))
+        out = dict(req.wait_s)
+        for reason, s in zip(reasons, seconds):
+            out[reason] = out.get(reason, 0.0) + s
+        return out
 
     def _on_chunk(self, e: PrefillChunk) -> None:
         req = self._request(e.request_id)
@@ -278,7 +343,7 @@ class DashboardModel:
         req = self._request(e.request_id)
         if req.first_token_t is None:
             req.first_token_t, req.ttft_s = e.t, e.ttft_s
-            self.ttft_samples.append(e.ttft_s)
+            self.ttft_samples.append((e.t, e.ttft_s))
             req.note(e.step, e.t, f"first token, TTFT {e.ttft_s * 1000:.0f} ms")
 
     def _on_retired(self, e: RequestRetired) -> None:
@@ -286,15 +351,16 @@ class DashboardModel:
             or RequestView(e.request_id)
         req.state, req.finish_t = e.reason, e.t
         req.num_output_tokens = e.num_output_tokens
+        req.num_blocks, req.wait_mark = e.num_blocks, None
+        for reason, seconds in zip(e.wait_reasons, e.wait_s):
+            req.wait_s[reason] = req.wait_s.get(reason, 0.0) + seconds
         if req.num_prompt_tokens is None:
             req.num_prompt_tokens = e.num_prompt_tokens
         if req.first_token_t is not None and e.num_output_tokens >= 2:
-            self.tpot_samples.append((e.t - req.first_token_t) / (e.num_output_tokens - 1))
+            self.tpot_samples.append((e.t, (e.t - req.first_token_t) / (e.num_output_tokens - 1)))
         if e.slot >= 0:
             self._vacate(e.slot, e.request_id)
-            # A static batch keeps computing a finished row until its longest row is done.
-            static = self.num_padding_rows > 0 or self.knobs.get("batching_mode") in ("static", "dynamic")
-            if static and e.reason != "abort":
+            if e.num_blocks:           # a static batch keeps computing it until its longest row is done
                 self.padding_slots.append(e.slot)
         req.slot = -1
         req.note(e.step, e.t, f"retired: {e.reason}, {e.num_output_tokens} output tokens")
@@ -319,8 +385,9 @@ class DashboardModel:
             self._vacate(slot, request_id)
             self.marks[slot] = ("retracted", step)
         req.state, req.slot = state, -1
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_blocks = 0
         req.num_preemptions += 1
+        req.wait_mark = self.wait_clock.mark(t)
         req.note(step, t, text)
         return req
 
@@ -344,9 +411,12 @@ class DashboardModel:
 
     def _on_paused(self, e: EnginePaused) -> None:
         self.paused = True
+        self.wait_clock.set(e.t, "paused")
 
     def _on_resumed(self, e: EngineResumed) -> None:
         self.paused = False
+        self.admission = None
+        self.wait_clock.set(e.t, NEXT_STEP)
 
     def _on_dropped(self, e: EventsDropped) -> None:
         self.num_dropped += e.count
@@ -432,17 +502,22 @@ class DashboardModel:
         return rows
 
     def running_blocks(self) -> list[tuple[str, int]]:
-        """(request id, estimated KV blocks) of the running requests, largest first."""
-        out = [(r.request_id, r.kv_blocks(self.block_size) or 0) for r in self.live.values() if r.state == "running"]
+        """(request id, KV blocks) of the running requests, largest first."""
+        out = [(r.request_id, r.num_blocks) for r in self.live.values() if r.state == "running"]
         out.sort(key=lambda item: (-item[1], item[0]))
         return out
 
 
-def _p50_p99(samples) -> tuple[float | None, float | None]:
-    if not samples:
+def _p50_p99(samples, end: float) -> tuple[float | None, float | None]:
+    """Percentiles of the samples taken in the LATENCY_WINDOW_S before `end`."""
+    xs = sorted(v for t, v in samples if end - LATENCY_WINDOW_S < t <= end)
+    if not xs:
         return None, None
-    xs = sorted(samples)
     return percentile(xs, 50), percentile(xs, 99)
+
+
+SHORT_REASONS = {"budget": "budget", "max_num_seqs": "seqs", "kv": "kv", "static_batch": "static",
+                 "dynamic_batch": "dyn", "preemption": "preempt", "paused": "paused", "next_step": "step"}
 
 
 def fmt_seconds(value: float | None) -> str:

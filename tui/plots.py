@@ -1,26 +1,46 @@
 """Plots over time, drawn by plotext into a string and shown in a Static.
 
 plotext keeps one global figure, so plots are built one after another on the UI
-thread. x is seconds relative to the newest history point (negative = past); a
-vertical line marks every knob change inside the window.
+thread. x is seconds before the newest history point; each series is a line.
+Throughput is a rate over a sliding window (RATE_SLIDE_S, named in the title), latency
+percentiles are over the model's LATENCY_WINDOW_S; a red vertical line marks every knob
+change inside the window, labelled with the knob's new value.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import plotext
 from rich.text import Text
 from textual.widgets import Static
 
-from .model import DashboardModel, HistoryPoint
+from .model import HISTORY_BUCKET_S, LATENCY_WINDOW_S, DashboardModel, HistoryPoint
 
 PLOT_WINDOWS_S = (30.0, 60.0, 300.0, 600.0)
+RATE_SLIDE_S = 1.0              # throughput: tokens over the last second at each point
+KNOB_SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tok", "long_prefill_token_threshold": "chunk",
+              "batching_mode": "mode", "preemption_mode": "preempt", "static_batch_size": "B",
+              "dynamic_timeout_s": "timeout", "load_rate": "rate", "length_dist": "dist"}
 
-# name -> (title, [(label, value of a point)])
-PLOTS: dict[str, tuple[str, list[tuple[str, object]]]] = {
-    "throughput": ("tok/s", [("out", lambda p: p.out_tok_s), ("in", lambda p: p.in_tok_s)]),
-    "rows": ("rows", [("running", lambda p: p.running), ("waiting", lambda p: p.waiting)]),
-    "kv": ("KV used %", [("kv", lambda p: p.kv_pct)]),
-    "latency": ("latency ms", [("ttft50", lambda p: _ms(p.ttft_p50)), ("ttft99", lambda p: _ms(p.ttft_p99)),
-                               ("tpot50", lambda p: _ms(p.tpot_p50)), ("tpot99", lambda p: _ms(p.tpot_p99))]),
+
+@dataclass(frozen=True)
+class PlotSpec:
+    title: str
+    short: str                  # the title where the long one does not fit
+    unit: str                   # the y axis label
+    series: tuple[tuple[str, object], ...]   # (label, value of a point or None)
+    slide: bool = False         # a rate: averaged over RATE_SLIDE_S
+
+
+PLOTS: dict[str, PlotSpec] = {
+    "throughput": PlotSpec(f"throughput over a {RATE_SLIDE_S:g} s sliding window", f"tok/s, {RATE_SLIDE_S:g} s window",
+                           "tok/s",
+                           (("out", lambda p: p.out_tok_s), ("in", lambda p: p.in_tok_s)), slide=True),
+    "rows": PlotSpec("requests", "rows", "rows", (("running", lambda p: p.running), ("waiting", lambda p: p.waiting))),
+    "kv": PlotSpec("KV pool in use", "KV % used", "% of blocks", (("kv", lambda p: p.kv_pct),)),
+    "latency": PlotSpec(f"latency percentiles over {LATENCY_WINDOW_S:g} s", f"ms, {LATENCY_WINDOW_S:g} s window", "ms",
+                        (("ttft p50", lambda p: _ms(p.ttft_p50)), ("ttft p99", lambda p: _ms(p.ttft_p99)),
+                         ("tpot p50", lambda p: _ms(p.tpot_p50)), ("tpot p99", lambda p: _ms(p.tpot_p99)))),
 }
 
 
@@ -28,9 +48,33 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1000.0
 
 
+def sliding_mean(values: list[float], width: int) -> list[float]:
+    """Each value averaged with the `width - 1` before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= width:
+            total -= values[i - width]
+        out.append(total / min(i + 1, width))
+    return out
+
+
+def plot_series(spec: PlotSpec, points: list[HistoryPoint], end: float) -> list[tuple[str, list[float], list[float]]]:
+    """(label, xs, ys) per series with data; x is seconds before `end`."""
+    out = []
+    width = max(1, round(RATE_SLIDE_S / HISTORY_BUCKET_S))
+    for label, value in spec.series:
+        pairs = [(p.t - end, v) for p in points if (v := value(p)) is not None]
+        if not pairs:
+            continue
+        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+        out.append((label, xs, sliding_mean(ys, width) if spec.slide else ys))
+    return out
+
+
 def build_plot(name: str, model: DashboardModel, window_s: float, width: int, height: int) -> str:
     """The plot `name` over the last `window_s` seconds of history, as an ANSI string."""
-    title, series = PLOTS[name]
+    spec = PLOTS[name]
     fig = plotext.figure
     fig.clear()
     fig.theme("simple")
@@ -39,21 +83,31 @@ def build_plot(name: str, model: DashboardModel, window_s: float, width: int, he
     end = history[-1].t if history else 0.0
     # A run younger than the window is drawn over its own span, not squeezed to the right.
     span = max(5.0, min(window_s, end - history[0].t)) if history else window_s
-    points: list[HistoryPoint] = [p for p in history if p.t >= end - span]
-    drawn = False
-    for label, value in series:
-        pairs = [(p.t - end, v) for p in points if (v := value(p)) is not None]
-        if len(pairs) < 1:
-            continue
-        signal = fig.signal([x for x, _ in pairs], [y for _, y in pairs], marker="braille")
+    points = [p for p in history if p.t >= end - span]
+    series = plot_series(spec, points, end)
+    roomy = height >= 12            # room for axis labels and a legend; else the title carries them
+    top = 0.0
+    for label, xs, ys in series:
+        signal = fig.signal(xs, ys, marker="braille")
+        signal.lines()
+        if roomy:
+            signal.label(label)
         fig.draw(signal)
-        drawn = True
+        top = max(top, max(ys))
     for mark in model.knob_marks:
         x = mark.t - end
         if -span <= x <= 0:
             fig.line(x, orientation="v", pixel="red")
-    names = " ".join(label for label, _ in series)
-    fig.title(f"{title}: {names} (last {span:.0f}s)" if drawn else f"{title}: no data yet")
+            if series:
+                fig.draw(fig.text(x, top, f" {KNOB_SHORT.get(mark.name, mark.name)}={mark.new}"))
+    names = "" if roomy else ": " + " ".join(label.replace(" ", "") for label, _, _ in series)
+    title = f"{spec.title} (last {span:.0f} s)"
+    if not roomy or len(title) > width - 8:
+        title = f"{spec.short}{names} ({span:.0f} s)"
+    fig.title(title if series else f"{spec.short}: no data yet")
+    if roomy:
+        fig.label(spec.unit, axis="y")
+        fig.label("seconds before now", axis="x")
     fig.ruler("x").lim(-span, 0)
     return fig.build().string()
 

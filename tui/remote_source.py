@@ -188,7 +188,7 @@ class RemoteSource(Source):
         lost = notice.get("lost") or 0
         with self._lock:
             last_t = self._pending[-1].t if self._pending else 0.0
-            self._pending.append(EventsDropped(notice.get("oldest_step") or 0, last_t, int(lost)))
+            self._pending.append(EventsDropped(step=notice.get("oldest_step") or 0, t=last_t, count=int(lost)))
 
     def _event(self, data: str, event_id: str | None) -> None:
         event = decode_event(data)

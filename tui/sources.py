@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from batchtop.telemetry.events import Event, StepFinished
+from batchtop.telemetry.events import Event, EventsDropped, StepFinished
 
 ENGINE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "batching_mode")
 LOAD_KNOBS = ("load_rate", "length_dist")
@@ -282,6 +282,7 @@ class EngineSource(Source):
         self.engine = loop.engine
         self.bus = bus
         self.subscription = bus.subscribe(subscription_maxlen)
+        loop.request_snapshot("subscribe")       # a dashboard that joins a running engine starts exact
         self.knobs = dict(self.engine.knobs())
         self.knobs["block_size"] = self.engine.config.block_size
         load = loop.load
@@ -317,7 +318,10 @@ class EngineSource(Source):
         return self
 
     def poll(self) -> Poll:
-        return Poll(self.subscription.drain())
+        events = self.subscription.drain()
+        if events and isinstance(events[0], EventsDropped):
+            self.loop.request_snapshot("drop")   # per-request state is stale until the snapshot arrives
+        return Poll(events)
 
     def now(self) -> float | None:
         return time.monotonic()           # the engine's clock: same process

@@ -12,7 +12,7 @@ from textual.widgets import Static
 
 from batchtop.telemetry.events import BatchRebuilt, Event, StepFinished, StepPlanned
 
-from .model import DashboardModel, RequestView, fmt_seconds
+from .model import SHORT_REASONS, DashboardModel, RequestView, fmt_seconds
 
 STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2}
 STATE_STYLE = {"running": "green", "preempted": "red", "waiting": "yellow", "abort": "bright_red"}
@@ -27,34 +27,50 @@ def _natural(request_id: str) -> tuple:
 class Column:
     name: str
     width: int
-    key: object            # RequestView, now, block_size -> sortable value
+    key: object            # RequestView, now, DashboardModel -> sortable value
 
-    def sort_key(self, req: RequestView, now: float, block_size: int):
-        value = self.key(req, now, block_size)
+    def sort_key(self, req: RequestView, now: float, model: DashboardModel):
+        value = self.key(req, now, model)
         return (value is None, value if value is not None else 0)
 
 
+def _waited(req: RequestView, now: float, model: DashboardModel) -> float | None:
+    total = sum(model.waited(req, now).values())
+    return total or None
+
+
+def waited_cell(req: RequestView, now: float, model: DashboardModel) -> str:
+    """Queue time and the reason it was mostly for: "2.3s kv"."""
+    waited = model.waited(req, now)
+    total = sum(waited.values())
+    if total < 0.0005:
+        return "-"
+    main = max(waited, key=waited.get)
+    return f"{fmt_seconds(total)} {SHORT_REASONS.get(main, main)}"
+
+
 COLUMNS = (
-    Column("id", 8, lambda r, now, bs: _natural(r.request_id)),
-    Column("state", 9, lambda r, now, bs: (STATE_ORDER.get(r.state, 3), r.state)),
-    Column("slot", 4, lambda r, now, bs: r.slot if r.slot >= 0 else None),
-    Column("prompt", 6, lambda r, now, bs: r.num_prompt_tokens),
-    Column("comp", 6, lambda r, now, bs: r.num_computed_tokens),
-    Column("out", 5, lambda r, now, bs: r.num_output_tokens),
-    Column("kv", 4, lambda r, now, bs: r.kv_blocks(bs)),
-    Column("ttft", 6, lambda r, now, bs: r.ttft_s),
-    Column("age", 6, lambda r, now, bs: r.age_s(now)),
-    Column("pre", 3, lambda r, now, bs: r.num_preemptions),
+    Column("id", 8, lambda r, now, m: _natural(r.request_id)),
+    Column("state", 9, lambda r, now, m: (STATE_ORDER.get(r.state, 3), r.state)),
+    Column("slot", 4, lambda r, now, m: r.slot if r.slot >= 0 else None),
+    Column("prompt", 6, lambda r, now, m: r.num_prompt_tokens),
+    Column("comp", 6, lambda r, now, m: r.num_computed_tokens),
+    Column("out", 5, lambda r, now, m: r.num_output_tokens),
+    Column("kv", 4, lambda r, now, m: r.kv_blocks()),
+    Column("waited", 13, _waited),
+    Column("ttft", 6, lambda r, now, m: r.ttft_s),
+    Column("age", 6, lambda r, now, m: r.age_s(now)),
+    Column("pre", 3, lambda r, now, m: r.num_preemptions),
 )
 
 
-def cell_values(req: RequestView, now: float, block_size: int) -> list[str]:
-    kv = req.kv_blocks(block_size)
+def cell_values(req: RequestView, now: float, model: DashboardModel) -> list[str]:
+    kv = req.kv_blocks()
     return [
         req.request_id, req.state, str(req.slot) if req.slot >= 0 else "-",
         "-" if req.num_prompt_tokens is None else str(req.num_prompt_tokens),
         str(req.num_computed_tokens), str(req.num_output_tokens), "-" if kv is None else str(kv),
-        fmt_seconds(req.ttft_s), fmt_seconds(req.age_s(now)), str(req.num_preemptions),
+        waited_cell(req, now, model), fmt_seconds(req.ttft_s), fmt_seconds(req.age_s(now)), str(req.num_preemptions),
     ]
 
 
@@ -77,7 +93,7 @@ class RequestTable(Static):
         column = COLUMNS[self.sort_column]
         rows = model.requests(self.show_finished)
         tie = COLUMNS[0]
-        rows.sort(key=lambda r: (column.sort_key(r, now, model.block_size), tie.sort_key(r, now, 0)),
+        rows.sort(key=lambda r: (column.sort_key(r, now, model), tie.sort_key(r, now, model)),
                   reverse=self.sort_reverse)
         return rows
 
@@ -112,7 +128,7 @@ class RequestTable(Static):
             self._top = index - visible + 1
         self._top = max(0, min(self._top, max(0, len(rows) - visible)))
         for req in rows[self._top:self._top + visible]:
-            values = cell_values(req, now, model.block_size)
+            values = cell_values(req, now, model)
             line = Text()
             for i, (column, value) in enumerate(zip(COLUMNS, values)):
                 value = value[:column.width]

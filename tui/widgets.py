@@ -32,7 +32,8 @@ def sparkline(values: list[float], width: int, top: float = 100.0) -> str:
 
 
 class HeaderBar(Static):
-    """Two lines: engine identity and state, then throughput, queues, KV, budget and knobs."""
+    """Three lines: engine identity and state; throughput, queues, KV, budget and knobs; what binds
+    admission now."""
 
     def render(self) -> Text:
         app = self.app
@@ -68,6 +69,15 @@ class HeaderBar(Static):
             line.append(f" load {knobs['load_rate']:g}/s {knobs.get('length_dist', '')}", style="bold")
         if model.num_dropped:
             line.append(f"  dropped {model.num_dropped}", style="bold red")
+        line.append("\n")
+        blocked = model.admission
+        if blocked is not None and model.num_waiting:
+            line.append(" admission blocked: ", style="bold yellow")
+            line.append(blocked.describe())
+        elif model.num_waiting:
+            line.append(" admission: decided at the next step", style="bright_black")
+        else:
+            line.append(" admission open: nobody waits", style="bright_black")
         return line
 
 
@@ -140,7 +150,7 @@ class KvPanel(Static):
         blocks = model.running_blocks()
         rows = max(0, self.size.height - 6)
         if blocks and rows:
-            text.append("\nblocks per running request (est.)", style="bold")
+            text.append("\nblocks per running request", style="bold")
             top = max(b for _, b in blocks) or 1
             for request_id, num_blocks in blocks[:rows - 1]:
                 label = f"\n{request_id[:8]:>8} {num_blocks:>4} "

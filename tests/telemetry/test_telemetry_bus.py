@@ -7,7 +7,7 @@ from batchtop.telemetry.events import EventsDropped, EnginePaused
 
 
 def ev(i):
-    return EnginePaused(i, float(i))
+    return EnginePaused(step=i, t=float(i))
 
 
 def test_slow_subscriber_gets_drop_notice_then_newest():
@@ -17,7 +17,7 @@ def test_slow_subscriber_gets_drop_notice_then_newest():
     for i in range(25):
         bus.publish(ev(i))
     got = slow.drain()
-    assert got[0] == EventsDropped(15, 15.0, 15)
+    assert got[0] == EventsDropped(step=15, t=15.0, count=15)
     assert got[1:] == [ev(i) for i in range(15, 25)]
     assert slow.num_dropped_total == 15
     assert fast.drain() == [ev(i) for i in range(25)]
@@ -35,7 +35,7 @@ def test_drop_notice_only_once_and_counting_restarts():
     assert sub.drain() == [ev(5), ev(6)]
     for i in range(7, 12):
         bus.publish(ev(i))
-    assert sub.drain() == [EventsDropped(9, 9.0, 2), ev(9), ev(10), ev(11)]
+    assert sub.drain() == [EventsDropped(step=9, t=9.0, count=2), ev(9), ev(10), ev(11)]
 
 
 def test_subscriber_sees_only_events_after_subscribing():
@@ -53,7 +53,7 @@ def test_never_draining_subscriber_stays_bounded():
         bus.publish(ev(i))
     assert len(sub) == 1000
     got = sub.drain()
-    assert got[0] == EventsDropped(99_000, 99_000.0, 99_000)
+    assert got[0] == EventsDropped(step=99_000, t=99_000.0, count=99_000)
     assert got[1] == ev(99_000) and got[-1] == ev(99_999)
     assert len(got) == 1001
 
@@ -78,7 +78,7 @@ def test_history_for_late_joiners():
     late = bus.subscribe(maxlen=3, replay_history=True)
     bus.publish(ev(6))
     # replayed history counts as delivered: 3 replayed + 1 new into maxlen 3 -> one dropped
-    assert late.drain() == [EventsDropped(4, 4.0, 1), ev(4), ev(5), ev(6)]
+    assert late.drain() == [EventsDropped(step=4, t=4.0, count=1), ev(4), ev(5), ev(6)]
     plain = bus.subscribe(maxlen=3)
     assert plain.drain() == []
 
@@ -128,7 +128,7 @@ def test_event_log_sink():
     log = EventLog(maxlen=2)
     for i in range(5):
         log(ev(i))
-    assert log.drain() == [EventsDropped(3, 3.0, 3), ev(3), ev(4)]
+    assert log.drain() == [EventsDropped(step=3, t=3.0, count=3), ev(3), ev(4)]
     assert log.drain() == []
     unbounded = EventLog(maxlen=None)
     for i in range(5):

@@ -22,14 +22,18 @@ def test_round_trip_through_json(event):
 
 
 def test_tuple_field_comes_back_as_tuple():
-    e = StepFinished(1, 0.5, 2, 2, ("a", "b"), 2, 0, 1, 8, 0.0, 0.0, 0.0, 0.0, 0.0)
+    e = StepFinished(step=1, t=0.5, num_rows=2, num_tokens=2, sampled_request_ids=("a", "b"), num_running=2,
+                     num_waiting=0, kv_blocks_used=1, kv_blocks_total=8, schedule_s=0.0, prepare_s=0.0, forward_s=0.0,
+                     sample_s=0.0, update_s=0.0)
     back = event_from_dict(json.loads(json.dumps(e.to_dict())))
     assert back.sampled_request_ids == ("a", "b")
     hash(back)      # still a frozen, hashable record
 
 
 def test_float_times_survive_exactly():
-    e = StepFinished(1, math.pi * 1e5, 0, 0, (), 0, 0, 0, 0, 1 / 3, 0.1, 0.2, 0.3, 1e-9)
+    e = StepFinished(step=1, t=math.pi * 1e5, num_rows=0, num_tokens=0, sampled_request_ids=(), num_running=0,
+                     num_waiting=0, kv_blocks_used=0, kv_blocks_total=0, schedule_s=1 / 3, prepare_s=0.1,
+                     forward_s=0.2, sample_s=0.3, update_s=1e-9)
     assert event_from_dict(json.loads(json.dumps(e.to_dict()))) == e
 
 

@@ -16,31 +16,36 @@ HEADER = {"kind": "Header", "schema_version": 1, "model": "tiny", "knobs": {},
 
 
 def finished(k, t, sampled, kv=5, running=3, waiting=1, tokens=12):
-    return StepFinished(k, t, 3, tokens, tuple(sampled), running, waiting, kv, 64,
-                        0.001, 0.002, 0.010, 0.003, 0.004)
+    return StepFinished(step=k, t=t, num_rows=3, num_tokens=tokens, sampled_request_ids=tuple(sampled),
+                        num_running=running, num_waiting=waiting, kv_blocks_used=kv, kv_blocks_total=64,
+                        schedule_s=0.001, prepare_s=0.002, forward_s=0.010, sample_s=0.003, update_s=0.004)
 
 
 def lifetimes():
     return [
-        RequestArrived(0, 0.9, "a", 4, 8, 0),
-        RequestArrived(0, 0.9, "b", 4, 8, 0),
-        RequestArrived(0, 0.9, "c", 4, 8, 0),
-        StepPlanned(1, 1.0, 8, 0, 2, 0, 0, 512, 2, 1, 2, 64),
-        RequestAdmitted(1, 1.0, "a", 0, 0, False),
-        RequestAdmitted(1, 1.0, "b", 1, 0, False),
-        RequestAdmitted(2, 1.5, "c", 2, 0, False),
+        RequestArrived(step=0, t=0.9, request_id="a", num_prompt_tokens=4, max_tokens=8, priority=0),
+        RequestArrived(step=0, t=0.9, request_id="b", num_prompt_tokens=4, max_tokens=8, priority=0),
+        RequestArrived(step=0, t=0.9, request_id="c", num_prompt_tokens=4, max_tokens=8, priority=0),
+        StepPlanned(step=1, t=1.0, prefill_tokens=8, decode_tokens=0, num_prefill_rows=2, num_decode_rows=0,
+                    num_padding_rows=0, token_budget=512, num_running=2, num_waiting=1, kv_blocks_used=2,
+                    kv_blocks_total=64, recompute_tokens=0, num_recompute_rows=0),
+        RequestAdmitted(step=1, t=1.0, request_id="a", slot=0, num_computed_tokens=0, resumed=False),
+        RequestAdmitted(step=1, t=1.0, request_id="b", slot=1, num_computed_tokens=0, resumed=False),
+        RequestAdmitted(step=2, t=1.5, request_id="c", slot=2, num_computed_tokens=0, resumed=False),
         finished(2, 1.6, ["a", "b"], kv=7),
-        FirstToken(2, 1.6, "a", 0.7),
-        FirstToken(2, 1.6, "b", 0.7),
-        KnobChanged(3, 2.0, "max_num_seqs", 3, 4, "tui"),
-        RequestRetired(4, 3.0, "a", "stop", 0, 4, 2),
-        RowMoved(4, 3.0, "c", 2, 0, 1024),
-        RequestPreempted(5, 3.5, "b", 1, 2, 5, "kv pool dry"),
-        RequestAdmitted(6, 4.0, "b", 1, 0, True),
-        RequestRetired(7, 5.0, "b", "length", 1, 4, 8),
-        RequestArrived(7, 5.2, "d", 4, 8, 0),
-        RequestAdmitted(8, 5.5, "d", 2, 0, False),
-        RequestRetired(9, 6.0, "c", "stop", 0, 4, 3),
+        FirstToken(step=2, t=1.6, request_id="a", ttft_s=0.7),
+        FirstToken(step=2, t=1.6, request_id="b", ttft_s=0.7),
+        KnobChanged(step=3, t=2.0, name="max_num_seqs", old=3, new=4, source="tui"),
+        RequestRetired(step=4, t=3.0, request_id="a", reason="stop", slot=0, num_prompt_tokens=4, num_output_tokens=2),
+        RowMoved(step=4, t=3.0, request_id="c", from_slot=2, to_slot=0, num_bytes=1024),
+        RequestPreempted(step=5, t=3.5, request_id="b", slot=1, blocks_freed=2, tokens_to_recompute=5,
+                         reason="kv pool dry"),
+        RequestAdmitted(step=6, t=4.0, request_id="b", slot=1, num_computed_tokens=0, resumed=True),
+        RequestRetired(step=7, t=5.0, request_id="b", reason="length", slot=1, num_prompt_tokens=4,
+                       num_output_tokens=8),
+        RequestArrived(step=7, t=5.2, request_id="d", num_prompt_tokens=4, max_tokens=8, priority=0),
+        RequestAdmitted(step=8, t=5.5, request_id="d", slot=2, num_computed_tokens=0, resumed=False),
+        RequestRetired(step=9, t=6.0, request_id="c", reason="stop", slot=0, num_prompt_tokens=4, num_output_tokens=3),
     ]
 
 
@@ -90,7 +95,7 @@ def test_counters_and_step_slices():
     assert counters["running_rows"] == [{"running": 3}]
     assert counters["waiting_rows"] == [{"waiting": 1}]
     assert counters["tokens_per_step"] == [{"tokens": 12}]
-    assert counters["scheduled_tokens"] == [{"prefill": 8, "decode": 0}]
+    assert counters["scheduled_tokens"] == [{"prefill": 8, "recompute": 0, "decode": 0}]
     step = next(e for e in trace["traceEvents"] if e.get("cat") == "step")
     assert step["name"] == "step 2" and step["dur"] == pytest.approx(20_000)
     assert step["ts"] + step["dur"] == pytest.approx((1.6 - 0.5) * 1e6)
@@ -134,6 +139,24 @@ def test_csv_per_request():
     assert float(raw[0]["arrival"]) == pytest.approx(0.9)
 
 
+def test_csv_and_summary_split_queue_time_by_reason():
+    events = [
+        RequestAdmitted(step=1, t=1.0, request_id="a", slot=0, num_computed_tokens=0, resumed=False,
+                        wait_reasons=("max_num_seqs", "kv"), wait_s=(0.5, 1.75)),
+        RequestAdmitted(step=5, t=3.0, request_id="a", slot=0, num_computed_tokens=0, resumed=True,
+                        wait_reasons=("preemption",), wait_s=(0.25,)),
+        RequestRetired(step=6, t=4.0, request_id="b", reason="abort", slot=-1, num_prompt_tokens=3,
+                       num_output_tokens=0, wait_reasons=("kv",), wait_s=(2.0,)),
+    ]
+    rows = {r["request_id"]: r for r in csv.DictReader(io.StringIO(to_csv(events)))}
+    a = rows["a"]
+    assert float(a["queue"]) == pytest.approx(2.5)
+    assert (float(a["wait_kv"]), float(a["wait_max_num_seqs"]), float(a["wait_preemption"])) == (1.75, 0.5, 0.25)
+    assert a["wait_budget"] == ""
+    assert float(rows["b"]["wait_kv"]) == 2.0
+    assert "queue time        4.5 s: 3.8 s kv, 500 ms max_num_seqs, 250 ms preemption" in summary_text(None, events)
+
+
 def test_summary_text_static_batch():
     text = summary_text(HEADER, static_batch())
     assert "steps             1024" in text
@@ -153,10 +176,11 @@ def test_summary_text_of_empty_run():
 def test_trace_survives_missing_ends():
     # the retirement of "x" was lost (a dropped-events gap): its slice ends where "y" takes the slot
     events = [
-        RequestAdmitted(1, 1.0, "x", 0, 0, False),
-        RequestAdmitted(5, 2.0, "y", 0, 0, False),
-        RequestRetired(6, 3.0, "y", "stop", 0, 1, 1),
-        RequestRetired(7, 4.0, "ghost", "abort", -1, 1, 0),     # never admitted: no slice
+        RequestAdmitted(step=1, t=1.0, request_id="x", slot=0, num_computed_tokens=0, resumed=False),
+        RequestAdmitted(step=5, t=2.0, request_id="y", slot=0, num_computed_tokens=0, resumed=False),
+        RequestRetired(step=6, t=3.0, request_id="y", reason="stop", slot=0, num_prompt_tokens=1, num_output_tokens=1),
+        RequestRetired(step=7, t=4.0, request_id="ghost", reason="abort", slot=-1, num_prompt_tokens=1,
+                       num_output_tokens=0),     # never admitted: no slice
     ]
     got = sorted(slices(to_chrome_trace(None, events)))
     assert got == [("x", 1, 0.0, 1e6, "unknown"), ("y", 1, 1e6, 1e6, "retired:stop")]
@@ -165,8 +189,10 @@ def test_trace_survives_missing_ends():
 def test_phase_slices_nest_inside_their_step():
     import random
     rng = random.Random(0)
-    events = [StepFinished(k, 1000.0 + k * 0.0137, 1, 1, (), 0, 0, 0, 1,
-                           *(rng.random() * 1e-3 for _ in range(5))) for k in range(1, 200)]
+    phases = ("schedule_s", "prepare_s", "forward_s", "sample_s", "update_s")
+    events = [StepFinished(step=k, t=1000.0 + k * 0.0137, num_rows=1, num_tokens=1, sampled_request_ids=(),
+                           num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=1,
+                           **{p: rng.random() * 1e-3 for p in phases}) for k in range(1, 200)]
     trace = to_chrome_trace(None, events)
     steps = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
     phases = [e for e in trace["traceEvents"] if e.get("cat") == "phase"]

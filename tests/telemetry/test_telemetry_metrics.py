@@ -12,25 +12,31 @@ approx = pytest.approx
 
 
 def step(k, t, sampled, num_rows=2, num_tokens=10):
-    return StepFinished(k, t, num_rows, num_tokens, tuple(sampled), 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    return StepFinished(step=k, t=t, num_rows=num_rows, num_tokens=num_tokens, sampled_request_ids=tuple(sampled),
+                        num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0, schedule_s=0, prepare_s=0,
+                        forward_s=0, sample_s=0, update_s=0)
 
 
 def small_run():
     """Four requests over five steps; every expected figure is worked out by hand in the tests."""
     return [
-        RequestArrived(0, 0.0, "a", 10, 3, 0),
-        RequestArrived(0, 1.0, "b", 20, 3, 0),
-        RequestArrived(0, 1.0, "c", 30, 3, 0),
-        step(1, 1.0, ["a"]), FirstToken(1, 1.0, "a", 1.0),
-        step(2, 1.5, ["a", "b"]), FirstToken(2, 1.5, "b", 0.5),
-        RequestPreempted(3, 2.0, "b", 0, 1, 21, "kv pool dry"),
-        step(3, 2.5, ["a"]), RequestRetired(3, 2.5, "a", "stop", 0, 10, 3),
-        RequestArrived(3, 2.5, "d", 40, 3, 0),
-        RequestRetracted(4, 3.0, "c", 1, 1, 5, 0.5),
-        step(4, 4.0, ["b", "c"]), FirstToken(4, 4.0, "c", 3.0),
-        RequestRetired(4, 4.0, "c", "stop", 1, 30, 1),
-        step(5, 4.5, ["b", "d"]), FirstToken(5, 4.5, "d", 2.0),
-        RequestRetired(5, 4.5, "b", "length", 0, 20, 3),
+        RequestArrived(step=0, t=0.0, request_id="a", num_prompt_tokens=10, max_tokens=3, priority=0),
+        RequestArrived(step=0, t=1.0, request_id="b", num_prompt_tokens=20, max_tokens=3, priority=0),
+        RequestArrived(step=0, t=1.0, request_id="c", num_prompt_tokens=30, max_tokens=3, priority=0),
+        step(1, 1.0, ["a"]), FirstToken(step=1, t=1.0, request_id="a", ttft_s=1.0),
+        step(2, 1.5, ["a", "b"]), FirstToken(step=2, t=1.5, request_id="b", ttft_s=0.5),
+        RequestPreempted(step=3, t=2.0, request_id="b", slot=0, blocks_freed=1, tokens_to_recompute=21,
+                         reason="kv pool dry"),
+        step(3, 2.5, ["a"]), RequestRetired(step=3, t=2.5, request_id="a", reason="stop", slot=0,
+                                            num_prompt_tokens=10, num_output_tokens=3),
+        RequestArrived(step=3, t=2.5, request_id="d", num_prompt_tokens=40, max_tokens=3, priority=0),
+        RequestRetracted(step=4, t=3.0, request_id="c", slot=1, blocks_freed=1, tokens_to_recompute=5,
+                         new_token_ratio=0.5),
+        step(4, 4.0, ["b", "c"]), FirstToken(step=4, t=4.0, request_id="c", ttft_s=3.0),
+        RequestRetired(step=4, t=4.0, request_id="c", reason="stop", slot=1, num_prompt_tokens=30, num_output_tokens=1),
+        step(5, 4.5, ["b", "d"]), FirstToken(step=5, t=4.5, request_id="d", ttft_s=2.0),
+        RequestRetired(step=5, t=4.5, request_id="b", reason="length", slot=0, num_prompt_tokens=20,
+                       num_output_tokens=3),
     ]
 
 
@@ -78,8 +84,13 @@ def test_counts_throughput_and_recompute_tax():
 
 
 def test_prompt_tokens_fall_back_to_retired_when_arrival_unseen():
-    s = summarize([FirstToken(1, 1.0, "x", 0.1), RequestRetired(2, 2.0, "x", "stop", 0, 7, 2),
-                   RequestRetired(2, 2.0, "y", "abort", -1, 9, 0)])
+    s = summarize([FirstToken(step=1, t=1.0, request_id="x", ttft_s=0.1), RequestRetired(step=2, t=2.0,
+                                                                                         request_id="x",
+                                                                                         reason="stop", slot=0,
+                                                                                         num_prompt_tokens=7,
+                                                                                         num_output_tokens=2),
+                   RequestRetired(step=2, t=2.0, request_id="y", reason="abort", slot=-1, num_prompt_tokens=9,
+                                  num_output_tokens=0)])
     assert s.num_prompt_tokens == 7      # y never got a first token: its prompt was not served
 
 
@@ -95,7 +106,8 @@ def test_empty_stream_and_dropped_events():
     s = summarize([])
     assert s.batch_utilisation is None and s.throughput_out_tok_s is None
     assert s.ttft == Distribution(0) and s.recompute_tax is None
-    assert summarize([EventsDropped(3, 1.0, 15), EventsDropped(9, 2.0, 5)]).num_events_dropped == 20
+    dropped = [EventsDropped(step=3, t=1.0, count=15), EventsDropped(step=9, t=2.0, count=5)]
+    assert summarize(dropped).num_events_dropped == 20
 
 
 def test_percentile_linear_interpolation():
@@ -115,7 +127,8 @@ def test_windowed_rates():
     # 20 steps one second apart, 4 of 8 rows sampling, one 16-token prefill chunk per step
     for k in range(1, 21):
         w.feed([step(k, float(k), ["a", "b", "c", "d"], num_rows=8, num_tokens=20),
-                PrefillChunk(k, float(k), "p", 16, 16, 16)])
+                PrefillChunk(step=k, t=float(k), request_id="p", num_tokens=16, num_computed_tokens=16,
+                             num_known_tokens=16)])
     r = w.rates()                    # now = 20: steps 11..20 are in the window
     assert r.span_s == 10.0
     assert r.steps_per_s == approx(1.0)
@@ -131,7 +144,8 @@ def test_windowed_rates():
 def test_windowed_rates_young_run_uses_elapsed_time():
     w = WindowedRates(window_s=10.0)
     w.feed([step(1, 100.0, ["a"]), step(2, 102.0, ["a"]),
-            RequestRetired(2, 102.0, "a", "stop", 0, 1, 2)])
+            RequestRetired(step=2, t=102.0, request_id="a", reason="stop", slot=0, num_prompt_tokens=1,
+                           num_output_tokens=2)])
     r = w.rates()
     assert r.span_s == 2.0
     assert r.output_tok_per_s == approx(1.0)    # both tokens over 2 s elapsed

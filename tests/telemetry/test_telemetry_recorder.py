@@ -44,34 +44,35 @@ def test_recorder_on_a_bus_and_flush(tmp_path):
     path = tmp_path / "run.jsonl"
     bus = EventBus()
     rec = Recorder(path, model="m", bus=bus, flush_interval_s=60)
-    bus.publish(EnginePaused(1, 1.0))
+    bus.publish(EnginePaused(step=1, t=1.0))
     rec.flush()                       # written now, not after 60 s
-    assert read_log(path)[1] == [EnginePaused(1, 1.0)]
-    bus.publish(EnginePaused(2, 2.0))
+    assert read_log(path)[1] == [EnginePaused(step=1, t=1.0)]
+    bus.publish(EnginePaused(step=2, t=2.0))
     with pytest.raises(TypeError):
-        rec(EnginePaused(3, 3.0))
+        rec(EnginePaused(step=3, t=3.0))
     rec.close()
     rec.close()                       # idempotent
     assert bus.num_subscribers == 0
-    assert read_log(path)[1] == [EnginePaused(1, 1.0), EnginePaused(2, 2.0)]
+    assert read_log(path)[1] == [EnginePaused(step=1, t=1.0), EnginePaused(step=2, t=2.0)]
 
 
 def test_recorder_overflow_is_logged(tmp_path):
     path = tmp_path / "run.jsonl"
     rec = Recorder(path, maxlen=4, flush_interval_s=60)
     for i in range(10):
-        rec(EnginePaused(i, float(i)))
+        rec(EnginePaused(step=i, t=float(i)))
     rec.close()
-    assert read_log(path)[1] == [EventsDropped(6, 6.0, 6)] + [EnginePaused(i, float(i)) for i in range(6, 10)]
+    assert read_log(path)[1] == ([EventsDropped(step=6, t=6.0, count=6)]
+                                 + [EnginePaused(step=i, t=float(i)) for i in range(6, 10)])
 
 
 def test_odd_knob_values_do_not_kill_the_writer(tmp_path):
     path = tmp_path / "run.jsonl"
     with Recorder(path, knobs={"dtype": object()}) as rec:
-        rec(EnginePaused(0, 0.0))
+        rec(EnginePaused(step=0, t=0.0))
     header, events = read_log(path)
     assert header["knobs"]["dtype"].startswith("<object")
-    assert events == [EnginePaused(0, 0.0)]
+    assert events == [EnginePaused(step=0, t=0.0)]
 
 
 def test_truncated_last_line_replays_up_to_the_cut(tmp_path):
@@ -138,26 +139,26 @@ def test_bad_header_raises(tmp_path, content, message):
 
 def test_blank_lines_are_ignored(tmp_path):
     path = tmp_path / "run.jsonl"
-    record(path, [EnginePaused(0, 0.0), EnginePaused(1, 1.0)])
+    record(path, [EnginePaused(step=0, t=0.0), EnginePaused(step=1, t=1.0)])
     text = path.read_text().replace("\n", "\n\n")
     path.write_text(text)
-    assert read_log(path)[1] == [EnginePaused(0, 0.0), EnginePaused(1, 1.0)]
+    assert read_log(path)[1] == [EnginePaused(step=0, t=0.0), EnginePaused(step=1, t=1.0)]
 
 
 def test_zero_filled_tail_after_a_crash_is_tolerated(tmp_path):
     # some filesystems leave the unwritten end of a file as NUL bytes after a power loss
     path = tmp_path / "run.jsonl"
-    record(path, [EnginePaused(0, 0.0), EnginePaused(1, 1.0)])
+    record(path, [EnginePaused(step=0, t=0.0), EnginePaused(step=1, t=1.0)])
     data = path.read_bytes()
     path.write_bytes(data[:-10] + b"\0" * 300)
     header, events = read_log(path)
-    assert events == [EnginePaused(0, 0.0)]
+    assert events == [EnginePaused(step=0, t=0.0)]
 
 
 def test_concurrent_engine_thread_and_writer_keep_order(tmp_path):
     import threading
     path = tmp_path / "run.jsonl"
-    events = [EnginePaused(i, i * 1e-3) for i in range(20_000)]
+    events = [EnginePaused(step=i, t=i * 1e-3) for i in range(20_000)]
     bus = EventBus()
     rec = Recorder(path, bus=bus, flush_interval_s=0.001)
 
@@ -181,11 +182,11 @@ def test_writer_failure_is_reported_on_close_and_never_reaches_the_engine(tmp_pa
     def disk_full(text):
         raise OSError(28, "No space left on device")
     rec._file.write = disk_full
-    bus.publish(EnginePaused(0, 0.0))           # the engine side never sees the error
+    bus.publish(EnginePaused(step=0, t=0.0))           # the engine side never sees the error
     rec._thread.join(timeout=10)                # the writer stops at its first failure
     assert not rec._thread.is_alive()
     assert bus.num_subscribers == 0             # and stops buffering for nobody
-    bus.publish(EnginePaused(1, 1.0))
+    bus.publish(EnginePaused(step=1, t=1.0))
     with pytest.raises(RuntimeError, match="No space left"):
         rec.close()
 
@@ -204,3 +205,23 @@ def test_a_version_1_log_reads_with_nothing_padded(tmp_path):
     path.write_text(f'{{"kind": "Header", "schema_version": {SCHEMA_VERSION}}}\n' + STEP_V1 + STEP_V1)
     with pytest.raises(LogFormatError, match="lacks field 'num_padded_tokens'"):
         read_log(path)
+
+
+def test_a_version_1_log_is_upgraded_on_read(tmp_path):
+    path = tmp_path / "v1.jsonl"
+    path.write_text("\n".join([
+        '{"kind":"Header","schema_version":1,"model":"tiny","knobs":{}}',
+        '{"kind":"StepPlanned","step":1,"t":0.5,"prefill_tokens":9,"decode_tokens":2,"num_prefill_rows":1,'
+        '"num_decode_rows":2,"num_padding_rows":0,"token_budget":64,"num_running":3,"num_waiting":0,'
+        '"kv_blocks_used":3,"kv_blocks_total":8}',
+        '{"kind":"PrefillChunk","step":1,"t":0.6,"request_id":"a","num_tokens":9,"num_computed_tokens":9,'
+        '"num_known_tokens":9}',
+        '{"kind":"RequestAdmitted","step":1,"t":0.4,"request_id":"a","slot":0,"num_computed_tokens":0,'
+        '"resumed":false}',
+        '{"kind":"RequestRetired","step":2,"t":0.7,"request_id":"a","reason":"stop","slot":0,'
+        '"num_prompt_tokens":9,"num_output_tokens":1}',
+    ]) + "\n")
+    header, (planned, chunk, admitted, retired) = read_log(path)
+    assert header["schema_version"] == 1
+    assert (planned.prefill_tokens, planned.recompute_tokens, planned.num_recompute_rows) == (9, 0, 0)
+    assert chunk.recompute is False and admitted.wait_s == () and retired.num_blocks == 0

@@ -126,3 +126,4 @@ async def test_record_from_the_dashboard_then_replay_it(source, tmp_path):
         replay.source.seek(10**9)
         replay.tick()
         assert len(replay.model.retired) == 2 and not replay.model.live
+

@@ -67,7 +67,8 @@ async def test_busy_stream_stays_responsive_and_bounded():
 def test_live_requests_are_capped_when_the_queue_runs_away():
     from batchtop.telemetry.events import RequestArrived
     m = model_module.DashboardModel()
-    m.feed([RequestArrived(0, float(i), f"q{i}", 8, 8, 0) for i in range(model_module.MAX_LIVE_REQUESTS + 500)])
+    m.feed([RequestArrived(step=0, t=float(i), request_id=f"q{i}", num_prompt_tokens=8, max_tokens=8, priority=0)
+            for i in range(model_module.MAX_LIVE_REQUESTS + 500)])
     assert len(m.live) == model_module.MAX_LIVE_REQUESTS
     assert "q0" not in m.live and f"q{model_module.MAX_LIVE_REQUESTS + 499}" in m.live
 

@@ -1,0 +1,192 @@
+"""The reference text's phenomena, one load and set of knobs each, on the embedded engine.
+
+A scenario is engine settings (`config`: what must be set at start, such as the KV pool or
+the layout), a Poisson load, requests scripted at given steps, and knob changes at given
+steps (`phases`). `batchtop --scenario NAME` opens the dashboard on it; `run_scenario` runs it
+headless for a bounded number of steps on a virtual clock (`STEP_S` per step, so arrivals
+are the same whatever the machine), which the tests and `python -m batchtop.engine.scenarios`
+(the figures of docs/scenarios.md) use.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass, field
+
+from batchtop.telemetry import events as ev
+
+from .config import EngineConfig
+from .loadgen import LengthDist, PoissonLoad, synthetic_prompt
+from .sampling import SamplingParams
+
+STEP_S = 0.02                   # headless runs: virtual seconds per step, for the load's arrivals
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    watch: str                  # one line: what to look at on the dashboard
+    claim: str                  # what the reference text says happens
+    config: dict = field(default_factory=dict)                 # EngineConfig fields
+    rate: float = 0.0           # Poisson arrivals per second
+    prompt: LengthDist = LengthDist("exponential", 64.0, 1, 512)
+    output: LengthDist = LengthDist("exponential", 64.0, 1, 512)
+    script: tuple[tuple[int, int, int], ...] = ()              # (step, prompt tokens, output tokens)
+    phases: tuple[tuple[int, str, object], ...] = ()           # (step, knob, value)
+
+    def engine_config(self, **overrides) -> EngineConfig:
+        return EngineConfig(**{**self.config, **overrides})
+
+    def load(self, seed: int = 0) -> PoissonLoad:
+        return PoissonLoad(self.rate, self.prompt, self.output, seed=seed)
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario(
+        "static-vs-continuous",
+        watch="static batches until step 100, then continuous: batch utilisation (useful / total row-steps) "
+              "and the ░ padding rows in the grid",
+        claim="a static batch runs until its longest row finishes; finished rows are padding, so utilisation "
+              "falls with the spread of output lengths (the padding tax); continuous batching refills them",
+        config={"batching_mode": "static", "static_batch_size": 8, "max_num_seqs": 8},
+        rate=12.0, prompt=LengthDist("uniform", 32.0, 8, 64), output=LengthDist("exponential", 32.0, 4, 128),
+        phases=((100, "batching_mode", "continuous"),)),
+    Scenario(
+        "kv-exhaustion",
+        watch="a KV pool of 40 blocks for 16 rows: × preemptions in the grid, recompute chunks in the log",
+        claim="when the pool runs dry the scheduler frees a running request's blocks (recompute) or "
+              "retracts it; its tokens are computed again later: the recompute tax",
+        config={"num_kv_blocks": 40, "max_num_seqs": 16, "max_num_batched_tokens": 256},
+        rate=10.0, prompt=LengthDist("uniform", 48.0, 16, 96), output=LengthDist("uniform", 96.0, 32, 160)),
+    Scenario(
+        "long-prefill",
+        watch="a 1536-token prompt joins 8 decoding rows at step 20: that step's decode tokens wait for it; "
+              "from step 60 the chunked-prefill threshold (64) caps every step's prompt tokens",
+        claim="a long prompt in one step stalls every decode row's inter-token latency; a chunked-prefill "
+              "threshold splits it over steps and caps the stall",
+        config={"max_num_seqs": 16, "max_num_batched_tokens": 2048, "long_prefill_token_threshold": 0},
+        script=tuple((0, 16, 400) for _ in range(8)) + ((20, 1536, 8), (70, 1536, 8)),
+        phases=((60, "long_prefill_token_threshold", 64),)),
+    Scenario(
+        "alternating",
+        watch="one-token requests leave below longer-lived rows every other step: ↓ moves under condense; "
+              "run with --layout indexmap and nothing moves",
+        claim="condense repairs holes by sliding the highest row down, so churn under long-lived rows "
+              "costs copies nearly every step; an index map never moves rows",
+        config={"max_num_seqs": 32, "layout": "condense"},
+        # every other step: four one-token requests (they leave at the next step) and one that stays 30 steps,
+        # admitted after them, so it sits above the holes they leave
+        script=tuple(item for k in range(1, 2000, 2) for item in [(k, 8, 1)] * 4 + [(k, 8, 30)]),
+    ),
+    Scenario(
+        "max-num-seqs",
+        watch="max_num_seqs 4 until step 60, then 32 on a pool of 64 blocks: throughput rises a little, "
+              "then preemptions (×) take over",
+        claim="raising max_num_seqs without the KV memory to back it turns into preemptions, not throughput",
+        config={"num_kv_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 512},
+        rate=20.0, prompt=LengthDist("uniform", 48.0, 16, 96), output=LengthDist("uniform", 96.0, 48, 160),
+        phases=((60, "max_num_seqs", 32),)),
+)}
+
+
+def run_scenario(scenario: Scenario, steps: int, *, loaded=None, seed: int = 0, **overrides) -> list[ev.Event]:
+    """Run `steps` steps headless on the virtual clock; every event, in order."""
+    from .engine import Engine
+    events: list[ev.Event] = []
+    config = scenario.engine_config(model=overrides.pop("model", "tiny"), **overrides)
+    engine = Engine(config, sink=events.append, loaded=loaded)
+    load = scenario.load(seed) if scenario.rate > 0 else None
+    rng = random.Random(seed)
+    script = sorted(scenario.script)
+    phases = sorted(scenario.phases)
+    for step in range(steps):
+        while phases and phases[0][0] <= step:
+            _, name, value = phases.pop(0)
+            engine.set_knob(name, value, source="test")
+        items = [(p, o) for s, p, o in script if s == step]
+        if load is not None:
+            items += [(item.prompt_tokens, item.output_tokens) for item in load.due(step * STEP_S)]
+        for prompt_tokens, output_tokens in items:
+            engine.add_request(synthetic_prompt(prompt_tokens, rng),
+                               SamplingParams(max_tokens=output_tokens, ignore_eos=True))
+        engine.step()
+    return events
+
+
+def report(name: str, events: list[ev.Event]) -> str:
+    """The figure a scenario shows, from its events (docs/scenarios.md)."""
+    steps = [e for e in events if isinstance(e, ev.StepFinished)]
+    planned = {e.step: e for e in events if isinstance(e, ev.StepPlanned)}
+    knob_steps = [e.step for e in events if isinstance(e, ev.KnobChanged)]
+    cut = knob_steps[0] if knob_steps else None
+
+    def util(part):
+        total = sum(e.num_rows for e in part)
+        return sum(len(e.sampled_request_ids) for e in part) / total if total else 0.0
+
+    def duration(e):
+        return e.schedule_s + e.prepare_s + e.forward_s + e.sample_s + e.update_s
+
+    if name == "static-vs-continuous":
+        before, after = [e for e in steps if e.step < cut], [e for e in steps if e.step >= cut]
+        return (f"batch utilisation: static {util(before):.3f} over {len(before)} steps, "
+                f"continuous {util(after):.3f} over {len(after)} steps")
+    if name in ("kv-exhaustion", "max-num-seqs"):
+        preempted = [e for e in events if isinstance(e, (ev.RequestPreempted, ev.RequestRetracted))]
+        recomputed = sum(e.tokens_to_recompute for e in preempted)
+        computed = sum(e.num_tokens for e in steps)
+        out = sum(len(e.sampled_request_ids) for e in steps)
+        text = (f"{len(preempted)} preemptions, recompute tax {recomputed / max(1, computed):.3f} "
+                f"({recomputed} of {computed} tokens), {out} output tokens in {len(steps)} steps")
+        if cut is not None:
+            early = sum(1 for e in preempted if e.step < cut)
+            text += f"; preemptions before step {cut}: {early}, after: {len(preempted) - early}"
+        return text
+    if name == "long-prefill":
+        def stall(part):
+            mixed = [e for e in part if planned[e.step].num_decode_rows and planned[e.step].prefill_tokens]
+            worst = max(mixed, key=lambda e: planned[e.step].prefill_tokens, default=None)
+            decode = sorted(duration(e) for e in part if not planned[e.step].prefill_tokens
+                            and planned[e.step].num_decode_rows)
+            median = decode[len(decode) // 2] if decode else 0.0
+            if worst is None:
+                return "no mixed step"
+            return (f"worst mixed step {planned[worst.step].prefill_tokens} prompt tokens + "
+                    f"{planned[worst.step].num_decode_rows} decode rows took {duration(worst) * 1e3:.1f} ms "
+                    f"(decode-only median {median * 1e3:.1f} ms)")
+        before, after = [e for e in steps if e.step < cut], [e for e in steps if e.step >= cut]
+        return f"threshold off: {stall(before)}; threshold 64: {stall(after)}"
+    if name == "alternating":
+        rebuilt = [e for e in events if isinstance(e, ev.BatchRebuilt)]
+        moved = sum(1 for e in rebuilt if e.rows_moved)
+        return (f"layout {rebuilt[0].layout if rebuilt else '?'}: rows moved on {moved} of {len(steps)} steps "
+                f"({sum(e.rows_moved for e in rebuilt)} rows, {sum(e.num_bytes for e in rebuilt)} bytes)")
+    return ""
+
+
+REPORT_STEPS = {"static-vs-continuous": 250, "kv-exhaustion": 200, "long-prefill": 120, "alternating": 120,
+                "max-num-seqs": 160}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="run each scenario headless and print its figure")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("names", nargs="*", default=list(SCENARIOS))
+    args = parser.parse_args(argv)
+    from .model import load_model
+    loaded = load_model(args.model, __import__("torch").float32)
+    for name in args.names:
+        scenario = SCENARIOS[name]
+        runs = [{}] if name != "alternating" else [{"layout": "condense"}, {"layout": "indexmap"}]
+        for overrides in runs:
+            start = time.perf_counter()
+            events = run_scenario(scenario, REPORT_STEPS[name], loaded=loaded, model=args.model, **overrides)
+            print(f"{name}: {report(name, events)}  [{time.perf_counter() - start:.1f} s wall]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
