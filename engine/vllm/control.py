@@ -93,6 +93,10 @@ class Controls:
             self._steps_allowed += 1
         self._put(grant)
 
+    def call_between_steps(self, command: Callable[[], None]) -> None:
+        """Run `command` on the engine thread before the next step."""
+        self._put(command)
+
     def _put(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
         self._wake.set()

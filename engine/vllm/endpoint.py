@@ -57,6 +57,11 @@ class SideEndpoint:
     def pump(self) -> None:
         self.ring.extend(self.scheduler.batchtop_events.drain())
 
+    def resync(self) -> None:
+        """A client joins live or after a gap: the scheduler publishes a snapshot before its next step."""
+        scheduler = self.scheduler
+        self.controls.call_between_steps(lambda: scheduler.batchtop_snapshot("subscribe"))
+
     def knobs(self) -> dict:
         s = self.scheduler
         model = s.vllm_config.model_config.served_model_name
@@ -107,7 +112,7 @@ class SideEndpoint:
             endpoint.pump()
             try:
                 return events_response(endpoint.ring, request.headers.get("last-event-id"), from_step,
-                                       endpoint.hello(), closing=lambda: endpoint.closing)
+                                       endpoint.hello(), closing=lambda: endpoint.closing, on_join=endpoint.resync)
             except ValueError as bad:
                 return error(400, str(bad), param="Last-Event-ID")
 

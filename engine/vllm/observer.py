@@ -65,6 +65,8 @@ class StepObserver:
         self._in_flight: deque[_Step] = deque()
         self._known_before: dict[str, int] = {}
         self._preempted: list[tuple[type, dict]] = []
+        self._held: dict[str, int] = {}             # KV blocks each request held at the last look
+        self._blocked_key: tuple | None = None
 
     def _emit(self, kind: type, step: int | None = None, **fields) -> None:
         self._sink(kind(step=self._emitted_step if step is None else step, t=time.monotonic(), **fields))
@@ -82,6 +84,7 @@ class StepObserver:
             self._retire(request.request_id, str(request.get_finished_reason()))
 
     def _retire(self, request_id: str, reason: str) -> None:
+        self._held.pop(request_id, None)
         track = self._tracks.pop(request_id, None)
         if track is None:
             return
@@ -98,14 +101,16 @@ class StepObserver:
 
     def preempting(self, request) -> None:
         """Inside `schedule()`, just before vLLM frees the victim's blocks."""
+        self._held.pop(request.request_id, None)
         self._preempted.append((ev.RequestPreempted, dict(
             request_id=request.request_id, slot=self.mirror.slot_of.get(request.request_id, -1),
             blocks_freed=self._blocks_of(request.request_id), tokens_to_recompute=request.num_computed_tokens,
             reason="kv pool exhausted")))
 
     def scheduled(self, output, requests: dict, token_budget: int, counts: tuple[int, int],
-                  schedule_s: float) -> None:
-        """`schedule()` returned `output`; `requests` is the scheduler's request table."""
+                  schedule_s: float, blocked: dict | None = None) -> None:
+        """`schedule()` returned `output`; `requests` is the scheduler's request table; `blocked` what
+        stopped admission at the head of the queue (AdmissionBlocked's fields), None when nobody waits."""
         cached = output.scheduled_cached_reqs
         scheduled_ids = output.num_scheduled_tokens
         to_add = [r.req_id for r in output.scheduled_new_reqs] + list(cached.req_ids)
@@ -126,6 +131,12 @@ class StepObserver:
                 plan.append((ev.RowMoved, dict(request_id=request_id, from_slot=old_slots.get(request_id, -1),
                                                to_slot=admitted[request_id],
                                                num_bytes=requests[request_id].num_tokens * TOKEN_ID_BYTES)))
+        for request_id in scheduled_ids:
+            held, now = self._held.get(request_id, 0), self._blocks_of(request_id)
+            if now != held:
+                self._held[request_id] = now
+                plan.append((ev.BlocksAllocated, dict(request_id=request_id, num_new_blocks=now - held,
+                                                      num_blocks=now)))
         for move in update.moves:
             plan.append((ev.RowMoved, dict(request_id=move.request_id, from_slot=move.from_slot,
                                            to_slot=move.to_slot, num_bytes=move.num_bytes)))
@@ -142,17 +153,23 @@ class StepObserver:
             plan.append((ev.StepPlanned, dict(**planned, num_padding_rows=0, token_budget=token_budget,
                                               num_running=counts[0], num_waiting=counts[1], kv_blocks_used=used,
                                               kv_blocks_total=total)))
+        key = None if blocked is None else (blocked["reason"], blocked["request_id"])
+        if key != self._blocked_key:
+            self._blocked_key = key
+            if blocked is not None:
+                plan.append((ev.AdmissionBlocked, blocked))
         record = _Step(output, step, plan, prefill_rows, time.perf_counter(), schedule_s)
         self._in_flight.append(record)
         if len(self._in_flight) == 1:
             self._emit_plan(record)
 
     def _rows(self, scheduled_ids: dict[str, int], requests: dict) -> tuple[list, dict]:
-        """Split the scheduled rows: a row is decode when it computes one token, the last known one,
-        and that token is an output token; every other row is prefill (a recompute after a preemption
-        included)."""
-        prefill_rows = []
-        prefill_tokens = num_decode = 0
+        """The rows by kind (ROW_KINDS): decode computes one token, the last known one, and that token is
+        an output token; any other row of a request preempted before is recompute, else prefill."""
+        chunks = []
+        tokens = {"prefill": 0, "recompute": 0}
+        rows = {"prefill": 0, "recompute": 0}
+        num_decode = 0
         known_before = self._known_before
         for request_id, num_tokens in scheduled_ids.items():
             request = requests[request_id]
@@ -160,11 +177,14 @@ class StepObserver:
             known = known_before.get(request_id, request.num_tokens)
             if num_tokens == 1 and computed == known and known > request.num_prompt_tokens:
                 num_decode += 1
-            else:
-                prefill_tokens += num_tokens
-                prefill_rows.append((request_id, num_tokens, computed, known))
-        return prefill_rows, dict(prefill_tokens=prefill_tokens, decode_tokens=num_decode,
-                                  num_prefill_rows=len(prefill_rows), num_decode_rows=num_decode)
+                continue
+            kind = "recompute" if request.num_preemptions > 0 else "prefill"
+            tokens[kind] += num_tokens
+            rows[kind] += 1
+            chunks.append((request_id, num_tokens, computed, known, kind == "recompute"))
+        return chunks, dict(prefill_tokens=tokens["prefill"], recompute_tokens=tokens["recompute"],
+                            decode_tokens=num_decode, num_prefill_rows=rows["prefill"],
+                            num_recompute_rows=rows["recompute"], num_decode_rows=num_decode)
 
     def _emit_plan(self, record: _Step) -> None:
         step = record.step or self._emitted_step
@@ -182,9 +202,9 @@ class StepObserver:
             return
         forward_s = max(0.0, time.perf_counter() - update_s - record.scheduled_at)
         step = record.step or self._emitted_step
-        for request_id, num_tokens, computed, known in record.prefill_rows:
+        for request_id, num_tokens, computed, known, recompute in record.prefill_rows:
             self._emit(ev.PrefillChunk, step, request_id=request_id, num_tokens=num_tokens,
-                       num_computed_tokens=computed, num_known_tokens=known)
+                       num_computed_tokens=computed, num_known_tokens=known, recompute=recompute)
         sampled = []
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
@@ -216,3 +236,23 @@ class StepObserver:
                 del self._in_flight[i]
                 return record
         return None
+
+    # -- snapshots ------------------------------------------------------------------------------
+
+    def snapshot(self, running, waiting, cause: str) -> None:
+        """Between steps: every live request's state (EngineSnapshot), for a consumer that missed events.
+        Under async scheduling a step may be in flight: the snapshot waits for none, so its counts
+        include that step's scheduled tokens."""
+        entries = [(r, "running") for r in running] + [
+            (r, "preempted" if r.num_preemptions > 0 else "waiting") for r in waiting]
+        entries = [(r, status) for r, status in entries if r.request_id in self._tracks]
+        used, total = self._kv_usage()
+        self._emit(ev.EngineSnapshot, cause=cause, request_ids=tuple(r.request_id for r, _ in entries),
+                   statuses=tuple(status for _, status in entries),
+                   slots=tuple(self.mirror.slot_of.get(r.request_id, -1) if status == "running" else -1
+                               for r, status in entries),
+                   num_prompt_tokens=tuple(r.num_prompt_tokens for r, _ in entries),
+                   num_output_tokens=tuple(self._tracks[r.request_id].num_output_tokens for r, _ in entries),
+                   num_computed_tokens=tuple(r.num_computed_tokens for r, _ in entries),
+                   num_blocks=tuple(self._blocks_of(r.request_id) for r, _ in entries),
+                   max_tokens=tuple(r.max_tokens for r, _ in entries), kv_blocks_used=used, kv_blocks_total=total)

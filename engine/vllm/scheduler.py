@@ -24,6 +24,7 @@ import vllm
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.bus import EventLog
@@ -148,10 +149,47 @@ class BatchtopMixin:
         schedule_s = time.perf_counter() - started
         try:
             observer.scheduled(output, self.requests, self.max_num_scheduled_tokens, self.get_request_counts(),
-                               schedule_s)
+                               schedule_s, self._batchtop_blocked(output, may_run))
         except Exception:
             self._batchtop_failed("schedule")
         return output
+
+    def _batchtop_blocked(self, output, may_run: bool) -> dict | None:
+        """What stopped admission at the head of the waiting queue this step (AdmissionBlocked's fields),
+        None when nobody waits or the head waits for something else (a grammar, remote KV)."""
+        queue = self.kv_holding_waiting if self.kv_holding_waiting else self.waiting
+        if not queue:
+            return None
+        head = queue.peek_request()
+        if head.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return None
+        num_running, num_waiting = self.get_request_counts()
+        fields = dict(request_id=head.request_id, num_waiting=num_waiting, num_running=num_running)
+        if not may_run:
+            return dict(reason="paused", **fields)
+        if output.preempted_req_ids:
+            return dict(reason="preemption", **fields)
+        if num_running >= self.max_num_active_reqs:
+            return dict(reason="max_num_seqs", limit=self.max_num_active_reqs, **fields)
+        tokens_left = self.max_num_scheduled_tokens - output.total_num_scheduled_tokens
+        tokens_needed = head.num_tokens - head.num_computed_tokens
+        if tokens_left <= 0:
+            return dict(reason="budget", tokens_left=tokens_left, tokens_needed=tokens_needed, **fields)
+        chunk = min(tokens_needed, tokens_left)
+        blocks_needed = -(-(head.num_computed_tokens + chunk) // self.block_size) - self._batchtop_blocks_of(
+            head.request_id)
+        return dict(reason="kv", blocks_needed=blocks_needed,
+                    blocks_free=self.kv_cache_manager.block_pool.get_num_free_blocks(), **fields)
+
+    def batchtop_snapshot(self, cause: str) -> None:
+        """Engine thread, between steps: publish every live request's state (EngineSnapshot)."""
+        observer = self.batchtop_observer
+        if observer is None:
+            return
+        try:
+            observer.snapshot(self.running, list(self.kv_holding_waiting) + list(self.waiting), cause)
+        except Exception:
+            self._batchtop_failed("snapshot")
 
     def _batchtop_schedule_nothing(self, *args, **kwargs):
         """Paused: vLLM's own schedule() with a token budget of 0 (what its PAUSED_ALL state does), so

@@ -54,7 +54,7 @@ def test_another_vllm_version_is_refused_with_a_clear_message():
 def _request(rid: str, prompt: int, outputs: int = 0, computed: int = 0):
     return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt, num_tokens=prompt + outputs,
                            num_output_placeholders=0, num_computed_tokens=computed, max_tokens=8, priority=0,
-                           arrival_time=0.0)
+                           arrival_time=0.0, num_preemptions=0)
 
 
 def _output(new: dict[str, int], scheduled: dict[str, int], requests: dict):

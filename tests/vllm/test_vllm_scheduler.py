@@ -212,3 +212,39 @@ def test_the_mirrored_slots_are_vllms_own_input_batch_rows():
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["mismatches"] == 0 and result["moves"] > 500, result
+
+
+def test_a_late_subscriber_gets_a_snapshot_equal_to_the_events_folded_from_the_start(vllm_server, follower):
+    """Mid-load, a client that joins live makes vLLM's scheduler publish an EngineSnapshot (its own
+    state); the events folded from the first step on hold exactly that state at that point."""
+    from batchtop.telemetry.state import BatchState
+    from vllm_helpers import EventFollower
+    events_url = vllm_server[1]
+
+    async def load_and_join():
+        task = asyncio.ensure_future(_completions(MAX_NUM_SEQS, 160, ignore_eos=True))
+        await asyncio.sleep(0)
+        started_steps = len([e for e in follower.collect() if isinstance(e, ev.StepFinished)])
+        await asyncio.to_thread(follower.wait_for, lambda evs: sum(isinstance(e, ev.StepFinished)
+                                                                   for e in evs) > started_steps + 30, 300)
+        late = EventFollower(events_url, from_step=None)
+        try:
+            await asyncio.to_thread(late.wait_for, lambda evs: any(isinstance(e, ev.EngineSnapshot) for e in evs))
+        finally:
+            late.close()
+        await task
+
+    started = time.monotonic()
+    asyncio.run(load_and_join())
+    events = follower.wait_for(lambda evs: any(isinstance(e, ev.EngineSnapshot) and e.t > started for e in evs))
+    folded = BatchState()
+    for event in events:
+        if isinstance(event, ev.EngineSnapshot) and event.t > started:
+            snapshot = event
+            break
+        folded.feed([event])
+    expected = {rid: (status, slot, computed, output, blocks) for rid, status, slot, computed, output, blocks in zip(
+        snapshot.request_ids, snapshot.statuses, snapshot.slots, snapshot.num_computed_tokens,
+        snapshot.num_output_tokens, snapshot.num_blocks)}
+    assert any(status == "running" for status, *_ in expected.values())
+    assert folded.keys() == expected

@@ -39,9 +39,9 @@ def skip_reason() -> str | None:
 class EventFollower:
     """Every batchtop event of the side endpoint, read through the dashboard's own client."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, from_step: int | None = 0):
         from batchtop.tui.remote_source import RemoteSource
-        self.source = RemoteSource(url, from_step=0).start()
+        self.source = RemoteSource(url, from_step=from_step).start()
         self.events: list = []
         self._lock = threading.Lock()
 
