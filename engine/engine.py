@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from batchtop import kernels
+from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
 
 from .batch import PersistentBatch
@@ -75,6 +76,7 @@ class Engine:
         self.batch = PersistentBatch(config.layout, config.batch_capacity, self.max_model_len,
                                      -(-self.max_model_len // config.block_size))
         self.runner = Runner(self.loaded.model, num_blocks, config.block_size, dtype)
+        self.kernel_note = _kernel_note(device, dtype)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(model_config.vocab_size)
@@ -389,6 +391,13 @@ class Engine:
         return Completion(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                           self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True), r.finish_reason,
                           r.arrival_time, r.first_token_time, r.finish_time, r.num_preemptions)
+
+
+def _kernel_note(device: torch.device, dtype: torch.dtype) -> str | None:
+    """What a dashboard header says when the C++ CPU kernels that this engine would use are off."""
+    if device.type != "cpu" or dtype != torch.float32 or cpu.available():
+        return None
+    return f"C++ kernels off ({cpu.unavailable_reason()}): torch ops serve, slower"
 
 
 def _as_int(value):

@@ -126,7 +126,8 @@ class ReplaySource(Source):
         super().__init__()
         self.header = header
         self.events = events
-        self.meta = {k: header.get(k) for k in ("model", "device", "layout", "preemption_mode") if header.get(k)}
+        self.meta = {k: header.get(k) for k in ("model", "device", "layout", "preemption_mode", "kernels")
+                     if header.get(k)}
         self.knobs = dict(header.get("knobs") or {})
         self.meta.setdefault("layout", self.knobs.get("layout"))
         self.meta.setdefault("preemption_mode", self.knobs.get("preemption_mode"))
@@ -291,6 +292,8 @@ class EngineSource(Source):
         config = self.engine.config
         self.meta = {"model": model or config.model, "device": _device_name(self.engine),
                      "layout": config.layout, "preemption_mode": self.knobs.get("preemption_mode")}
+        if getattr(self.engine, "kernel_note", None):
+            self.meta["kernels"] = self.engine.kernel_note
         self._recorder = None
         self._paused = False
 
