@@ -32,6 +32,7 @@ class EngineConfig:
     batch_capacity: int = 256                 # persistent-batch rows; the ceiling for max_num_seqs
     num_threads: int | None = None
     device: str = "cpu"                       # cpu, cuda or cuda:N (the Triton kernels serve attention there)
+    flight_recorder_steps: int = 256          # steps of events kept for a crash log (0: none)
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1, self.batch_capacity)
@@ -40,6 +41,7 @@ class EngineConfig:
         check_int("block_size", self.block_size, 1, 1024)
         check_int("batch_capacity", self.batch_capacity, 1, MAX_NUM_SEQS_LIMIT)
         check_int("static_batch_size", self.static_batch_size, 1, self.batch_capacity)
+        check_int("flight_recorder_steps", self.flight_recorder_steps, 0, 1_000_000)
         if self.num_kv_blocks is not None:
             check_int("num_kv_blocks", self.num_kv_blocks, 1, 10**8)
         if not self.kv_cache_mb > 0:

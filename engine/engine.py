@@ -12,6 +12,7 @@ import torch
 from batchtop import kernels
 from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
+from batchtop.telemetry.flight import FlightRecorder
 
 from .batch import PersistentBatch
 from .block_pool import KVCacheManager
@@ -50,7 +51,10 @@ class Completion:
 class Engine:
     def __init__(self, config: EngineConfig, sink: Sink | None = None, loaded: LoadedModel | None = None):
         self.config = config
-        self._sink = sink
+        # Always on unless configured off: the last steps' events, written out when a step raises.
+        self.flight = (FlightRecorder(config.flight_recorder_steps, header=self._flight_header)
+                       if config.flight_recorder_steps else None)
+        self._sink = self.flight.tee(sink) if self.flight is not None else sink
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         kernels.select_backend(config.attention_backend)
@@ -165,9 +169,9 @@ class Engine:
         self._emit(ev.RequestRetired, request.request_id, reason, slot, request.num_prompt_tokens,
                    request.num_output_tokens)
 
-    def fail_running(self, message: str) -> list[RequestOutput]:
-        """A step raised: retire every running request with reason `error` so the engine can go on."""
-        self.refuse("step", message)
+    def fail_running(self) -> list[RequestOutput]:
+        """A step raised (its StepFailed is out): retire every running request with reason `error`
+        so the engine can go on."""
         outputs = []
         for request in list(self.scheduler.running):
             self._retire(request, "error", self.batch.slot_of.get(request.request_id, -1))
@@ -180,6 +184,22 @@ class Engine:
     # -- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step; a step that raises is marked (StepFailed), the flight recorder's log written, and
+        the error re-raised (the loop then calls `fail_running`)."""
+        try:
+            return self._step()
+        except Exception as error:
+            message = f"{type(error).__name__}: {error}"
+            self._emit(ev.StepFailed, message)
+            if self.flight is not None:
+                self.flight.dump(f"step {self.step_count} raised", message)
+            raise
+
+    def _flight_header(self) -> dict:
+        return {"model": self.config.model, "knobs": self.knobs(), "layout": self.config.layout,
+                "device": self.config.device}
+
+    def _step(self) -> list[RequestOutput]:
         if not self.scheduler.has_work():
             return []
         self._apply_pending_batching_mode()

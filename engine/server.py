@@ -16,6 +16,7 @@ import hmac
 import ipaddress
 import itertools
 import json
+import signal
 import socket
 import threading
 import time
@@ -27,6 +28,8 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchtop.telemetry import flight
 
 from .loop import EngineLoop
 from .sampling import SamplingParams
@@ -526,6 +529,7 @@ def uvicorn_server(server: BatchtopServer, *, log_level: str = "warning", access
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):          # Ctrl+C: end the event streams first
             server.closing = True
+            flight.dump_all(f"signal {signal.Signals(sig).name}")    # uvicorn's handler replaces the CLI's
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(server.app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=3,

@@ -15,6 +15,7 @@ from typing import Callable
 
 from .bus import EventBus, EventLog
 from .events import Event, FirstToken, PrefillChunk, RequestAdmitted, StepFinished, StepPlanned
+from .flight import FlightRecorder
 from .recorder import Recorder, encode_event
 
 
@@ -73,6 +74,13 @@ def measure(n: int = 200_000, repeat: int = 5) -> list[tuple[str, float]]:
                 sub.drain()
     rows.append(("`EventBus.publish` + `drain()` every 1000 events, 1 subscriber",
                  _per_event_ns(publish_and_drain, events, repeat)))
+    rows.append(("`FlightRecorder.tee(None)` (the engine's sink with no other)",
+                 _per_event_ns(loop(FlightRecorder().tee(None)), events, repeat)))
+    bus = EventBus()
+    sub = bus.subscribe(maxlen=10_000)
+    rows.append(("`FlightRecorder.tee(bus.publish)`, 1 subscriber (the engine's sink in the dashboard)",
+                 _per_event_ns(loop(FlightRecorder().tee(bus.publish)), events, repeat)))
+    del sub
     log = EventLog(maxlen=None)
     rows.append(("`EventLog.append` (standalone sink)",
                  _per_event_ns(loop(log.append), events, repeat)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2              # 2: StepFailed added (a version 1 log reads as it is)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +171,12 @@ class EngineResumed(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class StepFailed(Event):
+    """The step raised: its running requests are retired with reason `error` next, and the engine goes on."""
+    error: str                   # the exception's type and message
+
+
+@dataclass(frozen=True, slots=True)
 class EventsDropped(Event):
     """Told to one subscriber whose buffer overflowed: its oldest `count` events were dropped."""
     count: int
@@ -182,7 +188,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         StepPlanned, StepFinished, RequestArrived, RequestAdmitted, PrefillChunk,
         FirstToken, RequestRetired, RowMoved, BatchRebuilt, RequestPreempted,
         RequestRetracted, KnobChanged, CommandRefused, EnginePaused, EngineResumed,
-        EventsDropped,
+        EventsDropped, StepFailed,
     )
 }
 

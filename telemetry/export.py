@@ -22,7 +22,7 @@ from typing import Iterable
 
 from .events import (
     CommandRefused, EnginePaused, EngineResumed, Event, EventsDropped, FirstToken, KnobChanged,
-    RequestAdmitted, RequestPreempted, RequestRetired, RequestRetracted, RowMoved, StepFinished,
+    RequestAdmitted, RequestPreempted, RequestRetired, RequestRetracted, RowMoved, StepFailed, StepFinished,
     StepPlanned,
 )
 from .metrics import Distribution, Metrics, MetricsSummary
@@ -165,7 +165,7 @@ def to_chrome_trace(header: dict | None, events: Iterable[Event]) -> dict:
             b.counter("tokens_per_step", e.t, {"tokens": e.num_tokens})
         elif kind is StepPlanned:
             b.counter("scheduled_tokens", e.t, {"prefill": e.prefill_tokens, "decode": e.decode_tokens})
-        elif kind in (KnobChanged, CommandRefused, EnginePaused, EngineResumed, EventsDropped):
+        elif kind in (KnobChanged, CommandRefused, EnginePaused, EngineResumed, EventsDropped, StepFailed):
             d = e.to_dict()
             name = d.pop("kind")
             if kind is KnobChanged:

@@ -28,7 +28,7 @@ from .bus import EventBus, EventLog, Subscription
 from .events import SCHEMA_VERSION, Event, event_from_dict
 
 HEADER_KIND = "Header"
-SUPPORTED_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, SCHEMA_VERSION})   # 2 only added an event kind
 DEFAULT_RECORDER_MAXLEN = 100_000     # at the default 0.2 s flush: 500k events/s before loss
 
 # Compact separators; default=str keeps an odd knob value (say an enum) from

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 
 DEMO_PROMPTS = [
@@ -339,11 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["dashboard", *argv]
     args = parser.parse_args(argv)
+    from batchtop.telemetry import flight
+    if threading.current_thread() is threading.main_thread():
+        flight.install_signal_handlers()        # SIGTERM, SIGINT: the engine's last steps are written out
     try:
         return args.func(args)
     except (ValueError, OSError) as error:
         print(f"batchtop: error: {error}", file=sys.stderr)
+        flight.dump_all(f"batchtop {args.command} exited with an error", str(error))
         return 2
+    except Exception as error:
+        flight.dump_all(f"batchtop {args.command} exited with an error", f"{type(error).__name__}: {error}")
+        raise
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from batchtop.telemetry.events import (
     BatchRebuilt, CommandRefused, EnginePaused, EngineResumed, Event, EventsDropped, FirstToken,
     KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted, RequestRetired,
-    RequestRetracted, RowMoved, StepFinished, StepPlanned,
+    RequestRetracted, RowMoved, StepFailed, StepFinished, StepPlanned,
 )
 from batchtop.telemetry.metrics import percentile
 from batchtop.telemetry.rates import WindowedRates
@@ -158,7 +158,7 @@ class DashboardModel:
             RequestPreempted: self._on_preempted, RequestRetracted: self._on_retracted,
             KnobChanged: self._on_knob, CommandRefused: self._on_refused,
             EnginePaused: self._on_paused, EngineResumed: self._on_resumed,
-            EventsDropped: self._on_dropped, BatchRebuilt: None,
+            EventsDropped: self._on_dropped, BatchRebuilt: None, StepFailed: self._on_step_failed,
         }
 
     # -- folding ---------------------------------------------------------------------------
@@ -336,6 +336,9 @@ class DashboardModel:
 
     def _on_refused(self, e: CommandRefused) -> None:
         self.message = f"refused {e.command}: {e.message}"
+
+    def _on_step_failed(self, e: StepFailed) -> None:
+        self.message = f"step {e.step} failed: {e.error}"
 
     def _on_paused(self, e: EnginePaused) -> None:
         self.paused = True

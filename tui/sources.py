@@ -142,6 +142,8 @@ class ReplaySource(Source):
         # Step boundaries: the index just past each StepFinished, and its step number.
         self._finish_ends = [i + 1 for i, e in enumerate(events) if type(e) is StepFinished]
         self._finish_steps = [events[i - 1].step for i in self._finish_ends]
+        if header.get("flight_recorder"):     # a crash log: open where it ended, the failing step shown
+            self._go_to(len(events))
 
     @classmethod
     def from_file(cls, path: str, **kwargs) -> ReplaySource:
@@ -211,7 +213,7 @@ class ReplaySource(Source):
 
     @property
     def last_step(self) -> int:
-        return self._finish_steps[-1] if self._finish_steps else 0
+        return self.events[-1].step if self.events else 0
 
     def now(self) -> float | None:
         return self.position_t

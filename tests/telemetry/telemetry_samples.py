@@ -4,7 +4,7 @@ from __future__ import annotations
 from batchtop.telemetry.events import (
     BatchRebuilt, CommandRefused, EnginePaused, EngineResumed, EventsDropped, FirstToken,
     KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted,
-    RequestRetired, RequestRetracted, RowMoved, StepFinished, StepPlanned,
+    RequestRetired, RequestRetracted, RowMoved, StepFailed, StepFinished, StepPlanned,
 )
 
 
@@ -33,6 +33,7 @@ def one_of_each() -> list:
         RequestRetired(8, 1.1, "req-ü-0", "stop", 0, 17, 5),
         RequestRetired(8, 1.1, "req-1", "abort", -1, 3, 0),
         EventsDropped(9, 1.2, 15),
+        StepFailed(10, 1.3, "RuntimeError: simulated kernel failure"),
     ]
 
 
