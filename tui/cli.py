@@ -201,7 +201,7 @@ def cmd_serve(args) -> int:
     from batchtop.engine.server import build_server, check_bind, serve
     check_bind(args.host, args.api_key)          # before the model load: fail fast
     server = build_server(engine_config(args), api_key=args.api_key, model_name=args.served_model_name,
-                          event_history=args.event_history)
+                          event_history=args.event_history, max_body_bytes=args.max_body_bytes)
     print(f"batchtop: serving {server.model_name} on http://{args.host}:{args.port}", file=sys.stderr)
     serve(server, args.host, args.port, access_log=args.access_log)
     return 0
@@ -235,6 +235,8 @@ def _add_server_commands(sub) -> None:
                        help="require `Authorization: Bearer KEY` on every endpoint (env BATCHTOP_API_KEY)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--event-history", type=int, default=100_000, help="events kept for stream resumption")
+    serve.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
+                       help="larger request bodies get 413 (default 2 MiB)")
     serve.add_argument("--access-log", action="store_true")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
