@@ -1,4 +1,4 @@
-"""Suite-wide set-up that must happen before anything imports triton.
+"""Suite-wide set-up that must happen before anything imports triton (and a scratch folder for crash logs).
 
 triton reads TRITON_INTERPRET when it is first imported (its own standard library is jitted
 then), and transformers or torch may import it long before tests/kernels runs. With the flag

@@ -130,3 +130,18 @@ def test_record_on_a_signal_writes_the_flight_log_and_says_where(tmp_path, signu
         with LogReader(out) as reader:
             assert list(reader) and not reader.truncated
         assert "recorded" in err
+
+
+def test_batchtop_exiting_with_an_error_writes_the_flight_log(tmp_path, monkeypatch, capsys):
+    from batchtop.tui.cli import main
+    monkeypatch.setenv("BATCHTOP_FLIGHT_DIR", str(tmp_path))
+    engine = Engine(EngineConfig(model="tiny", num_kv_blocks=8, max_model_len=64))
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    assert main(["export", str(tmp_path / "missing.jsonl")]) == 2
+    [path] = engine.flight.paths
+    err = capsys.readouterr().err
+    assert "cannot" in err or "No such file" in err
+    assert path in err
+    header, events = read_log(path)
+    assert header["flight_recorder"]["reason"] == "batchtop export exited with an error"
+    assert [type(e) for e in events if isinstance(e, ev.RequestRetired)] == [ev.RequestRetired]
