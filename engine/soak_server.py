@@ -38,7 +38,8 @@ class ServerSoakReport:
     outcomes: Counter = field(default_factory=Counter)     # complete | cut | aborted | plain | refused (4xx)
     statuses: Counter = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
-    samples: list[tuple[int, int, int, int]] = field(default_factory=list)  # served, RSS bytes, requests, pending
+    # served, RSS bytes, engine.requests, pending on the server, events in the server's ring
+    samples: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     elapsed_s: float = 0.0
 
     @property
@@ -49,9 +50,9 @@ class ServerSoakReport:
         lines = [f"requests {self.requests} in {self.elapsed_s:.1f} s ({self.requests / max(self.elapsed_s, 1e-9):.1f}/s)",
                  f"outcomes {dict(sorted(self.outcomes.items()))}",
                  f"statuses {dict(sorted(self.statuses.items()))}  5xx {self.num_5xx}",
-                 "served  RSS MiB  engine.requests  server pending"]
-        lines += [f"{served:>6}  {rss / 2**20:7.1f}  {num_requests:>15}  {pending:>14}"
-                  for served, rss, num_requests, pending in self.samples]
+                 "served  RSS MiB  engine.requests  server pending  event ring"]
+        lines += [f"{served:>6}  {rss / 2**20:7.1f}  {num_requests:>15}  {pending:>14}  {ring:>10}"
+                  for served, rss, num_requests, pending, ring in self.samples]
         lines.append(f"violations {len(self.violations)}")
         lines += [f"  {v}" for v in self.violations[:20]]
         return "\n".join(lines)
@@ -63,7 +64,8 @@ def resident_bytes() -> int:
 
 
 class ServerSoak:
-    def __init__(self, num_requests: int, concurrency: int, seed: int, sample_every: int, served=None):
+    def __init__(self, num_requests: int, concurrency: int, seed: int, sample_every: int, served=None,
+                 event_history: int = 100_000):
         self.num_requests = num_requests
         self.concurrency = concurrency
         self.rng = random.Random(seed)
@@ -72,7 +74,7 @@ class ServerSoak:
         self._owns_server = served is None
         if served is None:
             server = build_server(EngineConfig(model="tiny", num_kv_blocks=48, max_model_len=256, max_num_seqs=16,
-                                               num_threads=1), api_key=API_KEY)
+                                               num_threads=1), api_key=API_KEY, event_history=event_history)
             served = (server, ServerThread(server).start())
         self.server, self.thread = served
         self.headers = {"Authorization": f"Bearer {self.server.api_key}"} if self.server.api_key else {}
@@ -161,7 +163,7 @@ class ServerSoak:
 
     def _sample(self) -> None:
         self.report.samples.append((self.report.requests, resident_bytes(), len(self.server.engine.requests),
-                                    len(self.server.router._pending)))
+                                    len(self.server.router._pending), len(self.server.ring)))
 
     def _wait_idle(self, timeout_s: float = 60.0) -> None:
         engine = self.server.engine
@@ -184,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-every", type=int, default=1000)
+    parser.add_argument("--event-history", type=int, default=100_000, help="the server's event ring, as serve's flag")
     args = parser.parse_args(argv)
-    report = ServerSoak(args.requests, args.concurrency, args.seed, args.sample_every).run()
+    report = ServerSoak(args.requests, args.concurrency, args.seed, args.sample_every,
+                        event_history=args.event_history).run()
     print(report.text())
     return 1 if report.violations or report.num_5xx else 0
 

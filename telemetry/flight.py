@@ -23,7 +23,7 @@ from .events import Event, EventsDropped
 from .recorder import _encode, encode_event, make_header
 
 DEFAULT_STEPS = 256
-DEFAULT_MAX_EVENTS = 50_000    # a cap whatever the steps hold: ~12 MB of events at most
+DEFAULT_MAX_EVENTS = 20_000    # a cap whatever the steps hold: ~5 MB of events at most
 MAX_DUMPS = 8                  # per recorder: a step that fails again and again does not fill the disk
 DIR_ENV_VAR = "BATCHTOP_FLIGHT_DIR"
 
