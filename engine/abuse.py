@@ -14,7 +14,6 @@ import asyncio
 import json
 import socket
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
