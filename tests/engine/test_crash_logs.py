@@ -73,7 +73,7 @@ def _record(tmp_path, *extra):
     process = subprocess.Popen(
         [sys.executable, "-m", "batchtop.tui.cli", "record", "--model", "tiny", "--out", str(out),
          "--duration", "120", "--rate", "40", "--prompt-mean", "16", "--output-mean", "16",
-         "--num-kv-blocks", "24", *extra],
+         "--num-kv-blocks", "24", "--threads", "1", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return process, out
 
@@ -116,7 +116,7 @@ def test_record_on_a_signal_writes_the_flight_log_and_says_where(tmp_path, signu
     try:
         _wait_for_lines(process, out, 200)
         process.send_signal(signum)
-        _, err = process.communicate(timeout=60)
+        _, err = process.communicate(timeout=180)
     finally:
         process.kill()
     assert process.returncode == (-signum if signum == signal.SIGTERM else 0)
