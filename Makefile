@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.setup-done
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
 
-.PHONY: setup run test bench-engine bench-telemetry bench-kernels clean
+.PHONY: setup run test soak soak-server abuse bench-engine bench-telemetry bench-kernels clean
 
 setup: $(STAMP) $(VLLM_STAMP)
 
@@ -30,6 +30,16 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Long reliability runs (docs/reliability.md); `make test` runs bounded versions of each.
+soak: setup
+	$(PY) -m batchtop.engine.soak --requests 10000
+
+soak-server: setup
+	$(PY) -m batchtop.engine.soak_server --requests 10000
+
+abuse: setup
+	$(PY) -m batchtop.engine.abuse --flood 2000
 
 # Benchmarks are not tests: each writes its figures to docs/benchmarks.md (run on a quiet machine).
 bench-engine: setup

@@ -247,8 +247,9 @@ def run_hf_continuous(model, prompts, lengths) -> float:
 
 
 def telemetry_overhead(loaded, prompts, lengths, rounds: int = 3, **config) -> tuple[float, float]:
-    """The same trace with telemetry off and with the recorder writing a log, alternated to share the
-    machine's noise; returns the best wall time of each (off, recorder)."""
+    """The same trace with telemetry off (no sink, no flight recorder) and with the recorder writing a
+    log (and the flight recorder on, as always), alternated to share the machine's noise; returns the
+    best wall time of each (off, recorder)."""
     import tempfile
     from batchtop.telemetry.recorder import Recorder
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
@@ -257,7 +258,8 @@ def telemetry_overhead(loaded, prompts, lengths, rounds: int = 3, **config) -> t
         for round_ in range(rounds):
             for mode in ("off", "recorder"):
                 recorder = Recorder(Path(folder) / f"{round_}.jsonl", model=loaded.name) if mode == "recorder" else None
-                engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded,
+                off = {"flight_recorder_steps": 0} if mode == "off" else {}     # off: no event is built
+                engine = Engine(EngineConfig(model=loaded.name, **{**config, **off}), loaded=loaded,
                                 sink=recorder.sink if recorder else None)
                 start = time.perf_counter()
                 engine.generate(prompts, params)

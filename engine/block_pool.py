@@ -54,3 +54,27 @@ class KVCacheManager:
         blocks = self._blocks.pop(request_id, [])
         self._free.extend(blocks)
         return len(blocks)
+
+    def audit(self) -> list[str]:
+        """What breaks exact accounting, in words (nothing, always): a block free twice, held twice,
+        or both held and free; used + free != total."""
+        problems = []
+        free = set(self._free)
+        if len(free) != len(self._free):
+            problems.append(f"{len(self._free) - len(free)} blocks are in the free list twice")
+        held: dict[int, str] = {}
+        for request_id, blocks in self._blocks.items():
+            for block in blocks:
+                if block in held:
+                    problems.append(f"block {block} is held by {held[block]} and {request_id}")
+                held[block] = request_id
+                if block in free:
+                    problems.append(f"block {block} is held by {request_id} and free")
+        if len(self._free) + sum(len(b) for b in self._blocks.values()) != self.num_blocks:
+            problems.append(f"used {self.num_blocks - len(self._free)} + free {len(self._free)} blocks do not "
+                            f"match the {sum(len(b) for b in self._blocks.values())} held of {self.num_blocks}")
+        return problems
+
+    def holders(self) -> set[str]:
+        """Request ids that hold at least one block."""
+        return {request_id for request_id, blocks in self._blocks.items() if blocks}

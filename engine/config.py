@@ -34,6 +34,7 @@ class EngineConfig:
     device: str = "cpu"                       # cpu, cuda or cuda:N (the Triton kernels serve attention there)
     cuda_graphs: str = "on"                   # on: decode steps replay CUDA graphs (CUDA only); off; eager (tests)
     snapshot_interval_steps: int = 1000       # an EngineSnapshot event every N steps (0: only when asked)
+    flight_recorder_steps: int = 256          # steps of events kept for a crash log (0: none)
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1, self.batch_capacity)
@@ -43,6 +44,7 @@ class EngineConfig:
         check_int("batch_capacity", self.batch_capacity, 1, MAX_NUM_SEQS_LIMIT)
         check_int("static_batch_size", self.static_batch_size, 1, self.batch_capacity)
         check_int("snapshot_interval_steps", self.snapshot_interval_steps, 0, 10**9)
+        check_int("flight_recorder_steps", self.flight_recorder_steps, 0, 1_000_000)
         if self.num_kv_blocks is not None:
             check_int("num_kv_blocks", self.num_kv_blocks, 1, 10**8)
         if not self.kv_cache_mb > 0:

@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from batchtop import kernels
+from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
+from batchtop.telemetry.flight import FlightRecorder
 
 from .admission import Blocked
 from .batch import PersistentBatch
@@ -51,7 +53,10 @@ class Completion:
 class Engine:
     def __init__(self, config: EngineConfig, sink: Sink | None = None, loaded: LoadedModel | None = None):
         self.config = config
-        self._sink = sink
+        # Always on unless configured off: the last steps' events, written out when a step raises.
+        self.flight = (FlightRecorder(config.flight_recorder_steps, header=self._flight_header)
+                       if config.flight_recorder_steps else None)
+        self._sink = self.flight.tee(sink) if self.flight is not None else sink
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         kernels.select_backend(config.attention_backend)
@@ -78,6 +83,7 @@ class Engine:
                                      -(-self.max_model_len // config.block_size))
         self.runner = Runner(self.loaded.model, num_blocks, config.block_size, dtype, cuda_graphs=config.cuda_graphs,
                              max_rows=config.batch_capacity, max_blocks_per_seq=self.batch.block_table.shape[1])
+        self.kernel_note = _kernel_note(device, dtype)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(model_config.vocab_size)
@@ -193,9 +199,9 @@ class Engine:
                    num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
                    num_blocks=self.kv.num_blocks_held(request.request_id), wait_reasons=wait_reasons, wait_s=wait_s)
 
-    def fail_running(self, message: str) -> list[RequestOutput]:
-        """A step raised: retire every running request with reason `error` so the engine can go on."""
-        self.refuse("step", message)
+    def fail_running(self) -> list[RequestOutput]:
+        """A step raised (its StepFailed is out): retire every running request with reason `error`
+        so the engine can go on."""
         outputs = []
         for request in list(self.scheduler.running):
             self._retire(request, "error", self.batch.slot_of.get(request.request_id, -1))
@@ -208,6 +214,22 @@ class Engine:
     # -- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step; a step that raises is marked (StepFailed), the flight recorder's log written, and
+        the error re-raised (the loop then calls `fail_running`)."""
+        try:
+            return self._step()
+        except Exception as error:
+            message = f"{type(error).__name__}: {error}"
+            self._emit(ev.StepFailed, error=message)
+            if self.flight is not None:
+                self.flight.dump(f"step {self.step_count} raised", message)
+            raise
+
+    def _flight_header(self) -> dict:
+        return {"model": self.config.model, "knobs": self.knobs(), "layout": self.config.layout,
+                "device": self.config.device}
+
+    def _step(self) -> list[RequestOutput]:
         if not self.scheduler.has_work():
             return []
         self._apply_pending_batching_mode()
@@ -450,6 +472,13 @@ class Engine:
         return Completion(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                           self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True), r.finish_reason,
                           r.arrival_time, r.first_token_time, r.finish_time, r.num_preemptions)
+
+
+def _kernel_note(device: torch.device, dtype: torch.dtype) -> str | None:
+    """What a dashboard header says when the C++ CPU kernels that this engine would use are off."""
+    if device.type != "cpu" or dtype != torch.float32 or cpu.available():
+        return None
+    return f"C++ kernels off ({cpu.unavailable_reason()}): torch ops serve, slower"
 
 
 def _as_int(value):

@@ -193,8 +193,8 @@ class EngineLoop:
                 step_before = self.engine.step_count
                 try:
                     outputs = self.engine.step()
-                except Exception as error:   # retire the batch that failed, keep serving the rest
-                    outputs = self.engine.fail_running(repr(error))
+                except Exception:            # marked and logged by the engine: retire its batch, serve on
+                    outputs = self.engine.fail_running()
                 for output in outputs:
                     self._deliver(output)
                 if self.engine.step_count == step_before:

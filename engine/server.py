@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import signal
 import threading
 import time
 import uuid
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchtop.telemetry import events as ev
+from batchtop.telemetry import flight
 from batchtop.telemetry.stream import (SSE_HEADERS, BearerAuth, EventRing, bind_socket, check_bind, error_body,
                                        events_response)
 
@@ -38,6 +40,8 @@ from .server_openai import (ApiError, ChatCompletionRequest, CompletionRequest, 
 PUMP_INTERVAL_S = 0.05
 GREEDY_BELOW = 1e-5
 MIN_TOP_P = 1e-6          # the sampler compares in float32: 5e-324 would become 0 and drop every token
+MAX_BODY_BYTES = 2 * 2**20   # a 128k-token prompt as token ids is ~1 MB of JSON
+DRAIN_BYTES = 16 * 2**20     # an oversized body is read and dropped up to this, so its client reads the 413
 ERROR_RESPONSES = {code: {"description": text, "content": {"application/json": {}}}
                    for code, text in ((400, "invalid request"), (401, "missing or wrong API key"),
                                       (404, "unknown model, route or request"))}
@@ -104,8 +108,9 @@ class BatchtopServer:
     """The app and its state around one running `EngineLoop` whose engine publishes to `bus`."""
 
     def __init__(self, loop: EngineLoop, bus, *, model_name: str | None = None, api_key: str | None = None,
-                 event_history: int = 100_000):
+                 event_history: int = 100_000, max_body_bytes: int = MAX_BODY_BYTES):
         self.loop = loop
+        self.max_body_bytes = max_body_bytes
         self.engine = loop.engine
         self.tokenizer = self.engine.tokenizer
         self.model_name = model_name or self.engine.config.model
@@ -350,6 +355,58 @@ class BatchtopServer:
                 "next_seq": self.ring.next_seq}
 
 
+class BodyLimit:
+    """Pure ASGI middleware: a request body over `max_bytes` gets 413 before the app sees it.
+
+    The body is read here (the routes read it whole anyway) and handed on; messages after it
+    (a client's disconnect) pass through untouched. An oversized body is read on and thrown
+    away up to `DRAIN_BYTES`, so the client, still sending, gets to read its 413; past that the
+    connection is closed on it.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send, size=0, more=True)
+        parts, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":      # the client left before its body arrived
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send, size, more)
+        body, delivered = b"".join(parts), False
+
+        async def replay():
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send, size: int, more: bool):
+        while more and size <= DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
+        response = JSONResponse(error_body(f"the request body is over the limit of {self.max_bytes} bytes",
+                                           code="request_too_large"),
+                                status_code=413, headers={"Connection": "close"} if more else None)
+        await response(scope, receive, send)
+
+
 def build_app(server: BatchtopServer) -> FastAPI:
     from contextlib import asynccontextmanager
 
@@ -363,7 +420,8 @@ def build_app(server: BatchtopServer) -> FastAPI:
 
     app = FastAPI(title="batchtop", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible serving, telemetry events and live control of a batchtop engine")
-    if server.api_key:
+    app.add_middleware(BodyLimit, max_bytes=server.max_body_bytes)
+    if server.api_key:                   # outermost: a request without the key is refused unread
         app.add_middleware(BearerAuth, api_key=server.api_key)
     _add_error_handlers(app)
 
@@ -466,14 +524,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def build_server(config, *, api_key: str | None = None, model_name: str | None = None,
-                 event_history: int = 100_000, loaded=None) -> BatchtopServer:
+                 event_history: int = 100_000, max_body_bytes: int = MAX_BODY_BYTES, loaded=None) -> BatchtopServer:
     """Load the model, start the engine loop, and wrap it (the HTTP side is not started)."""
     from batchtop.telemetry.bus import EventBus
     from .engine import Engine
     bus = EventBus()
     engine = Engine(config, sink=bus.publish, loaded=loaded)
     loop = EngineLoop(engine)
-    server = BatchtopServer(loop, bus, model_name=model_name, api_key=api_key, event_history=event_history)
+    server = BatchtopServer(loop, bus, model_name=model_name, api_key=api_key, event_history=event_history,
+                            max_body_bytes=max_body_bytes)
     loop.start()
     return server
 
@@ -484,6 +543,7 @@ def uvicorn_server(server: BatchtopServer, *, log_level: str = "warning", access
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):          # Ctrl+C: end the event streams first
             server.closing = True
+            flight.dump_all(f"signal {signal.Signals(sig).name}")    # uvicorn's handler replaces the CLI's
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(server.app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=3,

@@ -23,14 +23,22 @@
 - `argmax_rows`: the greedy sampler's argmax; torch's walks a row one value at a time.
 
 The build runs the machine's C++ compiler through torch.utils.cpp_extension (about a minute),
-once per machine, into the torch extensions cache; `available()` is False where that fails (or
-BATCHTOP_CPU_KERNEL=0), and callers use torch instead.
+once per CPU, into the torch extensions cache under a name that carries a hash of the CPU's
+instruction-set flags, so a cache shared between machines never hands one CPU a library built for
+another (a SIGILL no `except` catches). A build lock left by an interrupted build is broken once it
+is `STALE_LOCK_S` old; while a build runs `build_note()` says so; `available()` is False where the
+build fails (said once on stderr, `unavailable_reason()` keeps why) or with BATCHTOP_CPU_KERNEL=0,
+and callers use torch instead.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
+import shutil
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,38 +53,127 @@ BLOCK = 32                     # k per scale and offset of a block-packed weight
 # whole model's products, one process: 24 rows level with the FMA path, 20 rows 10% slower).
 AMX_MIN_ROWS = 24
 
+STALE_LOCK_S = 300.0          # an interrupted build's lock, untouched this long, is broken (a build takes ~1 min)
+LOCK_POLL_S = 0.5
+FEATURES_FILE = "cpu_features"  # beside the library: the flags it was compiled for
+
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
+_building: str | None = None     # what the build is doing right now, for a loading screen
+
+
+def cpu_features() -> str:
+    """The CPU's instruction-set flags, sorted (what `-march=native` compiles for), and its architecture."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line.split(":", 1)[1] for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:                 # not Linux: the processor's name is the best key at hand
+        flags = platform.processor()
+    return " ".join([platform.machine(), *sorted(set(flags.split()))])
+
+
+def extension_name(features: str | None = None) -> str:
+    """The cache key: the extension's name with a hash of the CPU features it is compiled for."""
+    digest = hashlib.sha256((features or cpu_features()).encode()).hexdigest()[:12]
+    return f"{EXTENSION}_{digest}"
 
 
 def _load():
-    global _module, _failed
+    global _module, _failed, _building
     if _module is not None:
         return _module
     with _lock:
         if _module is None and _failed is None:
             try:
-                from torch.utils.cpp_extension import load
-                _say_when_building()
-                _module = load(
-                    name=EXTENSION, sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                    extra_ldflags=["-fopenmp"], verbose=bool(os.environ.get("BATCHTOP_VERBOSE_BUILD")))
+                _module = _build(cpu_features())
             except Exception as error:          # no compiler, no headers: the torch paths serve
-                _failed = f"{type(error).__name__}: {error}"
+                _failed = _first_line(error)
+                print(f"batchtop: the C++ CPU kernels are unavailable ({_failed}); the engine uses torch's "
+                      f"operators instead, slower (BATCHTOP_VERBOSE_BUILD=1 shows the build)", file=sys.stderr)
+            finally:
+                _building = None
     return _module
 
 
-def _say_when_building() -> None:
-    """One line on stderr before a first build, which takes about a minute (like the model's first conversion)."""
+def _build(features: str):
+    """Compile (or load the cached build for this CPU) after clearing what would hang or crash it."""
+    global _building
+    from torch.utils.cpp_extension import _get_build_directory, load
+    name = extension_name(features)
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    _drop_foreign_build(build_dir, features)
+    _wait_for_build_lock(build_dir / "lock")
+    if not (build_dir / f"{name}.so").exists():
+        _building = "compiling the C++ CPU kernels (first start on this CPU, about a minute)"
+        print(f"batchtop: {_building}...", file=sys.stderr)
+    module = load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                  extra_ldflags=["-fopenmp"], verbose=bool(os.environ.get("BATCHTOP_VERBOSE_BUILD")))
+    (build_dir / FEATURES_FILE).write_text(features + "\n")
+    return module
+
+
+def _drop_foreign_build(build_dir: Path, features: str) -> None:
+    """A build marked for other CPU features (a copied cache, a hash collision) is deleted, never loaded."""
+    marker = build_dir / FEATURES_FILE
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-        built = Path(_get_build_directory(EXTENSION, verbose=False)) / f"{EXTENSION}.so"
-    except Exception:              # a private helper of torch's: say nothing rather than guess
+        marked = marker.read_text().strip()
+    except OSError:
         return
-    if not built.exists():
-        print("batchtop: compiling the C++ CPU kernels (once per machine, about a minute)...", file=sys.stderr)
+    if marked != features:
+        print(f"batchtop: {build_dir} was built for other CPU features; rebuilding it for this CPU", file=sys.stderr)
+        for entry in build_dir.iterdir():
+            if entry.is_file() or entry.is_symlink():
+                entry.unlink()
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _wait_for_build_lock(lock: Path) -> None:
+    """Wait while another process builds; break the lock once nothing in the build folder moved for
+    `STALE_LOCK_S` (torch's own wait has no end, and an interrupted build never removes its lock)."""
+    global _building
+    while lock.exists():
+        idle_s = time.time() - _newest_mtime(lock.parent)
+        if idle_s > STALE_LOCK_S:
+            print(f"batchtop: breaking the stale build lock {lock} (nothing built for {idle_s / 60:.0f} min: "
+                  f"an interrupted build left it)", file=sys.stderr)
+            lock.unlink(missing_ok=True)
+            break
+        if _building is None:
+            _building = "waiting for another process's build of the C++ CPU kernels"
+            print(f"batchtop: {_building} ({lock})...", file=sys.stderr)
+        time.sleep(LOCK_POLL_S)
+    _building = None
+
+
+def _newest_mtime(folder: Path) -> float:
+    times = [folder.stat().st_mtime]
+    for entry in folder.iterdir():
+        try:
+            times.append(entry.stat().st_mtime)
+        except OSError:            # removed while we looked
+            pass
+    return max(times)
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
+
+
+def build_note() -> str | None:
+    """What the first build is doing while it runs (a loading screen shows it), else None."""
+    return _building
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are off (the build failed, or BATCHTOP_CPU_KERNEL=0), or None when they serve."""
+    if os.environ.get("BATCHTOP_CPU_KERNEL", "1") == "0":
+        return "BATCHTOP_CPU_KERNEL=0"
+    return _failed
 
 
 def available() -> bool:

@@ -15,6 +15,7 @@ from typing import Callable
 
 from .bus import EventBus, EventLog
 from .events import Event, FirstToken, PrefillChunk, RequestAdmitted, StepFinished, StepPlanned
+from .flight import FlightRecorder
 from .recorder import Recorder, encode_event
 
 
@@ -77,6 +78,13 @@ def measure(n: int = 200_000, repeat: int = 5) -> list[tuple[str, float]]:
                 sub.drain()
     rows.append(("`EventBus.publish` + `drain()` every 1000 events, 1 subscriber",
                  _per_event_ns(publish_and_drain, events, repeat)))
+    rows.append(("`FlightRecorder.tee(None)` (the engine's sink with no other)",
+                 _per_event_ns(loop(FlightRecorder().tee(None)), events, repeat)))
+    bus = EventBus()
+    sub = bus.subscribe(maxlen=10_000)
+    rows.append(("`FlightRecorder.tee(bus.publish)`, 1 subscriber (the engine's sink in the dashboard)",
+                 _per_event_ns(loop(FlightRecorder().tee(bus.publish)), events, repeat)))
+    del sub
     log = EventLog(maxlen=None)
     rows.append(("`EventLog.append` (standalone sink)",
                  _per_event_ns(loop(log.append), events, repeat)))
@@ -112,12 +120,38 @@ def measure(n: int = 200_000, repeat: int = 5) -> list[tuple[str, float]]:
     return rows
 
 
+def measure_flight(n: int = 200_000, repeat: int = 5) -> list[tuple[str, float]]:
+    """The flight recorder's cost alone: its sinks and the ones it wraps, interleaved round by round
+    (on a loaded machine only figures taken side by side compare), best of `repeat` rounds each, in
+    this thread's CPU time (time the thread spent descheduled is not counted)."""
+    mix = sample_events()
+    events = (mix * (n // len(mix) + 1))[:n]
+    bus = EventBus()
+    sub = bus.subscribe(maxlen=10_000)
+    sinks = {
+        "plain function call (baseline)": lambda e: None,
+        "`FlightRecorder.tee(None)`: the engine's sink with no other": FlightRecorder().tee(None),
+        "`EventBus.publish`, 1 subscriber": bus.publish,
+        "`FlightRecorder.tee(bus.publish)`, 1 subscriber": FlightRecorder().tee(bus.publish),
+    }
+    best = dict.fromkeys(sinks, float("inf"))
+    for _ in range(repeat):
+        for name, sink in sinks.items():
+            start = time.thread_time_ns()
+            for e in events:
+                sink(e)
+            best[name] = min(best[name], (time.thread_time_ns() - start) / n)
+    del sub
+    return list(best.items())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--flight", action="store_true", help="only the flight recorder's cost, interleaved")
     args = parser.parse_args(argv)
-    rows = measure(args.n, args.repeat)
+    rows = measure_flight(args.n, args.repeat) if args.flight else measure(args.n, args.repeat)
     print(f"Python {sys.version.split()[0]} on {platform.machine()} "
           f"({platform.processor() or platform.platform()}), n={args.n}\n")
     print("| path | ns per event |")

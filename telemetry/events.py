@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-SCHEMA_VERSION = 2              # 2: named fields, row kinds, blocks, snapshots, admission; graph padding
+SCHEMA_VERSION = 2              # 2: named fields, row kinds, blocks, snapshots, admission, failed steps, graph padding
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,6 +256,12 @@ class EngineSnapshot(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepFailed(Event):
+    """The step raised: its running requests are retired with reason `error` next, and the engine goes on."""
+    error: str                   # the exception's type and message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EventsDropped(Event):
     """Told to one subscriber whose buffer overflowed: its oldest `count` events were dropped."""
     count: int
@@ -267,7 +273,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         StepPlanned, StepFinished, RequestArrived, RequestAdmitted, PrefillChunk,
         FirstToken, RequestRetired, RowMoved, BatchRebuilt, RequestPreempted,
         RequestRetracted, KnobChanged, CommandRefused, EnginePaused, EngineResumed,
-        EventsDropped, BlocksAllocated, PaddingReleased, AdmissionBlocked, EngineSnapshot,
+        EventsDropped, BlocksAllocated, PaddingReleased, AdmissionBlocked, EngineSnapshot, StepFailed,
     )
 }
 

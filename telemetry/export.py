@@ -22,8 +22,8 @@ from typing import Iterable
 
 from .events import (
     WAIT_REASONS, CommandRefused, EnginePaused, EngineResumed, Event, EventsDropped, FirstToken, KnobChanged,
-    RequestAdmitted, RequestPreempted, RequestRetired, RequestRetracted, RowMoved, StepFinished,
-    StepPlanned,
+    RequestAdmitted, RequestPreempted, RequestRetired, RequestRetracted, RowMoved, StepFailed,
+    StepFinished, StepPlanned,
 )
 from .metrics import Distribution, Metrics, MetricsSummary
 
@@ -166,7 +166,7 @@ def to_chrome_trace(header: dict | None, events: Iterable[Event]) -> dict:
         elif kind is StepPlanned:
             b.counter("scheduled_tokens", e.t, {"prefill": e.prefill_tokens, "recompute": e.recompute_tokens,
                                                 "decode": e.decode_tokens})
-        elif kind in (KnobChanged, CommandRefused, EnginePaused, EngineResumed, EventsDropped):
+        elif kind in (KnobChanged, CommandRefused, EnginePaused, EngineResumed, EventsDropped, StepFailed):
             d = e.to_dict()
             name = d.pop("kind")
             if kind is KnobChanged:

@@ -7,6 +7,7 @@ Keys map to `action_*` methods (see BINDINGS and `?`).
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable
 
@@ -51,7 +52,9 @@ class LoadingSource(Source):
     def status(self) -> str:
         if self.error:
             return f"failed: {self.error}"
-        return f"loading {self.what} {time.monotonic() - self.started:.0f}s"
+        cpu = sys.modules.get("batchtop.kernels.cpu")     # imported by the load: never import torch here
+        doing = (cpu.build_note() if cpu is not None else None) or f"loading {self.what}"
+        return f"{doing} {time.monotonic() - self.started:.0f}s"
 
 
 class BatchtopApp(App):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 
 DEMO_PROMPTS = [
@@ -205,7 +206,7 @@ def cmd_serve(args) -> int:
     from batchtop.telemetry.stream import check_bind
     check_bind(args.host, args.api_key)          # before the model load: fail fast
     server = build_server(engine_config(args), api_key=args.api_key, model_name=args.served_model_name,
-                          event_history=args.event_history)
+                          event_history=args.event_history, max_body_bytes=args.max_body_bytes)
     print(f"batchtop: serving {server.model_name} on http://{args.host}:{args.port}", file=sys.stderr)
     serve(server, args.host, args.port, access_log=args.access_log)
     return 0
@@ -239,6 +240,8 @@ def _add_server_commands(sub) -> None:
                        help="require `Authorization: Bearer KEY` on every endpoint (env BATCHTOP_API_KEY)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--event-history", type=int, default=100_000, help="events kept for stream resumption")
+    serve.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
+                       help="larger request bodies get 413 (default 2 MiB)")
     serve.add_argument("--access-log", action="store_true")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
@@ -374,11 +377,18 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["dashboard", *argv]
     args = parser.parse_args(argv)
+    from batchtop.telemetry import flight
+    if threading.current_thread() is threading.main_thread():
+        flight.install_signal_handlers()        # SIGTERM, SIGINT: the engine's last steps are written out
     try:
         return args.func(args)
     except (ValueError, OSError) as error:
         print(f"batchtop: error: {error}", file=sys.stderr)
+        flight.dump_all(f"batchtop {args.command} exited with an error", str(error))
         return 2
+    except Exception as error:
+        flight.dump_all(f"batchtop {args.command} exited with an error", f"{type(error).__name__}: {error}")
+        raise
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from batchtop.telemetry.events import (
     AdmissionBlocked, BatchRebuilt, BlocksAllocated, CommandRefused, EnginePaused, EngineResumed, EngineSnapshot,
     Event, EventsDropped, FirstToken, PaddingReleased,
     KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted, RequestRetired,
-    RequestRetracted, RowMoved, StepFinished, StepPlanned,
+    RequestRetracted, RowMoved, StepFailed, StepFinished, StepPlanned,
 )
 from batchtop.telemetry.export import wait_line
 from batchtop.telemetry.metrics import percentile
@@ -171,7 +171,7 @@ class DashboardModel:
             RequestPreempted: self._on_preempted, RequestRetracted: self._on_retracted,
             KnobChanged: self._on_knob, CommandRefused: self._on_refused,
             EnginePaused: self._on_paused, EngineResumed: self._on_resumed,
-            EventsDropped: self._on_dropped, BatchRebuilt: None,
+            EventsDropped: self._on_dropped, BatchRebuilt: None, StepFailed: self._on_step_failed,
             BlocksAllocated: self._on_blocks, PaddingReleased: self._on_padding_released,
             AdmissionBlocked: self._on_blocked, EngineSnapshot: self._on_snapshot,
         }
@@ -408,6 +408,9 @@ class DashboardModel:
 
     def _on_refused(self, e: CommandRefused) -> None:
         self.message = f"refused {e.command}: {e.message}"
+
+    def _on_step_failed(self, e: StepFailed) -> None:
+        self.message = f"step {e.step} failed: {e.error}"
 
     def _on_paused(self, e: EnginePaused) -> None:
         self.paused = True

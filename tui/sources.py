@@ -126,7 +126,8 @@ class ReplaySource(Source):
         super().__init__()
         self.header = header
         self.events = events
-        self.meta = {k: header.get(k) for k in ("model", "device", "layout", "preemption_mode") if header.get(k)}
+        self.meta = {k: header.get(k) for k in ("model", "device", "layout", "preemption_mode", "kernels")
+                     if header.get(k)}
         self.knobs = dict(header.get("knobs") or {})
         self.meta.setdefault("layout", self.knobs.get("layout"))
         self.meta.setdefault("preemption_mode", self.knobs.get("preemption_mode"))
@@ -141,6 +142,8 @@ class ReplaySource(Source):
         # Step boundaries: the index just past each StepFinished, and its step number.
         self._finish_ends = [i + 1 for i, e in enumerate(events) if type(e) is StepFinished]
         self._finish_steps = [events[i - 1].step for i in self._finish_ends]
+        if header.get("flight_recorder"):     # a crash log: open where it ended, the failing step shown
+            self._go_to(len(events))
 
     @classmethod
     def from_file(cls, path: str, **kwargs) -> ReplaySource:
@@ -210,7 +213,7 @@ class ReplaySource(Source):
 
     @property
     def last_step(self) -> int:
-        return self._finish_steps[-1] if self._finish_steps else 0
+        return self.events[-1].step if self.events else 0
 
     def now(self) -> float | None:
         return self.position_t
@@ -292,6 +295,8 @@ class EngineSource(Source):
         config = self.engine.config
         self.meta = {"model": model or config.model, "device": _device_name(self.engine),
                      "layout": config.layout, "preemption_mode": self.knobs.get("preemption_mode")}
+        if getattr(self.engine, "kernel_note", None):
+            self.meta["kernels"] = self.engine.kernel_note
         self._recorder = None
         self._paused = False
 

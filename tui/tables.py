@@ -222,7 +222,7 @@ class EventLogView(Static):
 
 def _event_style(event: Event) -> str:
     name = type(event).__name__
-    if name in ("RequestPreempted", "RequestRetracted", "CommandRefused", "EventsDropped"):
+    if name in ("RequestPreempted", "RequestRetracted", "CommandRefused", "EventsDropped", "StepFailed"):
         return "red"
     if name == "KnobChanged":
         return "bold cyan"

@@ -55,6 +55,8 @@ class HeaderBar(Static):
         line.append(f" {meta.get('device') or ''} {knobs.get('batching_mode') or meta.get('batching_mode') or '?'}"
                     f"/{meta.get('layout') or knobs.get('layout') or '?'}"
                     f"/{knobs.get('preemption_mode') or meta.get('preemption_mode') or '?'}")
+        if meta.get("kernels"):
+            line.append(f"  {meta['kernels']}", style="bold red")
         line.append("\n")
         line.append(f" run {model.num_running}", style="green")
         line.append(f"  wait {model.num_waiting}", style="yellow")

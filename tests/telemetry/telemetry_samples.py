@@ -5,7 +5,7 @@ from batchtop.telemetry.events import (
     AdmissionBlocked, BatchRebuilt, BlocksAllocated, CommandRefused, EnginePaused, EngineResumed, EngineSnapshot,
     EventsDropped, FirstToken, PaddingReleased,
     KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted,
-    RequestRetired, RequestRetracted, RowMoved, StepFinished, StepPlanned,
+    RequestRetired, RequestRetracted, RowMoved, StepFailed, StepFinished, StepPlanned,
 )
 
 
@@ -61,6 +61,7 @@ def one_of_each() -> list:
         EngineSnapshot(step=12, t=1.6, cause="interval", request_ids=(), statuses=(), slots=(), num_prompt_tokens=(),
                        num_output_tokens=(), num_computed_tokens=(), num_blocks=(), max_tokens=(),
                        kv_blocks_used=0, kv_blocks_total=100),
+        StepFailed(step=12, t=1.7, error="RuntimeError: simulated kernel failure"),
     ]
 
 

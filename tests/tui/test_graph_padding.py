@@ -17,18 +17,24 @@ from batchtop.tui.sources import ReplaySource
 from tui_helpers import screen_text
 
 
+QUIET = dict(num_running=3, num_waiting=0, kv_blocks_used=3, kv_blocks_total=10, schedule_s=0, prepare_s=0,
+             forward_s=0, sample_s=0, update_s=0)
+
+
 def test_graph_padding_cells_follow_the_batch_rows():
     model = DashboardModel(knobs={"max_num_seqs": 4})
-    events = [RequestArrived(1, 0.0, rid, 10, 5, 0) for rid in "abc"]
-    events += [RequestAdmitted(1, 0.1, rid, slot, 0, False) for slot, rid in enumerate("abc")]
-    model.feed(events + [StepFinished(1, 0.2, 3, 3, ("a", "b", "c"), 3, 0, 3, 10, 0, 0, 0, 0, 0, 1)])
+    events = [RequestArrived(step=1, t=0.0, request_id=rid, num_prompt_tokens=10, max_tokens=5, priority=0)
+              for rid in "abc"]
+    events += [RequestAdmitted(step=1, t=0.1, request_id=rid, slot=slot, num_computed_tokens=0, resumed=False)
+               for slot, rid in enumerate("abc")]
+    model.feed(events + [StepFinished(step=1, t=0.2, num_rows=3, num_tokens=3, sampled_request_ids=("a", "b", "c"), num_padded_tokens=1, **QUIET)])
     assert [model.slot_kind(i)[0] for i in range(5)] == ["admitted"] * 3 + ["graph", "free"]
     assert model.num_grid_slots() == 4 and model.rates.rates().padded_token_share == 0.25
     # a graph of 8 for 3 rows: the grid grows past max_num_seqs to show all five padding rows
-    model.feed([StepFinished(2, 0.3, 3, 3, ("a", "b", "c"), 3, 0, 3, 10, 0, 0, 0, 0, 0, 5)])
+    model.feed([StepFinished(step=2, t=0.3, num_rows=3, num_tokens=3, sampled_request_ids=("a", "b", "c"), num_padded_tokens=5, **QUIET)])
     assert model.num_grid_slots() == 8 and [model.slot_kind(i)[0] for i in range(3, 8)] == ["graph"] * 5
     assert model.rates.rates().padded_token_share == pytest.approx(6 / 12)
-    model.feed([StepFinished(3, 0.4, 3, 40, ("a", "b", "c"), 3, 0, 3, 10, 0, 0, 0, 0, 0, 0)])
+    model.feed([StepFinished(step=3, t=0.4, num_rows=3, num_tokens=40, sampled_request_ids=("a", "b", "c"), num_padded_tokens=0, **QUIET)])
     assert model.slot_kind(3)[0] == "free", "an eager step pads nothing"
 
 

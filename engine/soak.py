@@ -1,0 +1,336 @@
+"""A long, hostile run of the engine with its invariants checked after every step.
+
+    python -m batchtop.engine.soak [--requests 10000] [--seed 0] [--kv-blocks 48]
+
+On the tiny model: random arrivals and lengths; random aborts of waiting, mid-prefill and
+mid-decode requests (and of finished ones, which must change nothing); a knob storm (every knob,
+valid random values, and invalid ones that must be refused and change nothing); batching-mode and
+preemption-mode switches; a KV pool small enough that preemption and retraction happen all the
+time. After every step `check_invariants` must find nothing; after the drain the pool is whole
+and every request retired exactly once. Exit status 1 on any violation. Figures: docs/reliability.md.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from batchtop.telemetry import events as ev
+from batchtop.telemetry.bus import EventLog
+
+from .config import MAX_BATCHED_TOKENS_LIMIT, EngineConfig
+from .engine import Engine
+from .request import Status
+from .sampling import SamplingParams
+
+BATCH_CAPACITY = 32
+STALL_STEPS = 5_000      # this many steps without a token, an admission or a retirement: a livelock
+VALID_VALUES = {
+    "max_num_seqs": (1, 2, 3, 4, 8, 16, 32),
+    "max_num_batched_tokens": (8, 16, 32, 64, 128, 256, 512),
+    "long_prefill_token_threshold": (0, 0, 4, 16, 64),
+    "static_batch_size": (1, 2, 4, 8),
+    "dynamic_timeout_s": (0.0, 0.001, 0.005),
+    "batching_mode": ("continuous", "continuous", "static", "dynamic"),
+    "preemption_mode": ("recompute", "retract"),
+}
+INVALID_VALUES = (
+    ("max_num_seqs", 0), ("max_num_seqs", BATCH_CAPACITY + 1), ("max_num_seqs", "many"), ("max_num_seqs", 2.5),
+    ("max_num_seqs", True), ("max_num_seqs", None), ("max_num_batched_tokens", 0),
+    ("max_num_batched_tokens", MAX_BATCHED_TOKENS_LIMIT + 1), ("long_prefill_token_threshold", -1),
+    ("static_batch_size", 0), ("batching_mode", "turbo"), ("preemption_mode", "swap"),
+    ("dynamic_timeout_s", -0.1), ("dynamic_timeout_s", "soon"), ("dynamic_timeout_s", math.nan),
+    ("dynamic_timeout_s", math.inf), ("no_such_knob", 1),
+)
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    num_requests: int = 10_000
+    seed: int = 0
+    num_kv_blocks: int = 32           # 512 tokens: a few requests fill it
+    block_size: int = 16
+    max_model_len: int = 512
+    max_prompt_tokens: int = 160
+    max_output_tokens: int = 96
+    arrivals_per_step: float = 0.15   # mean of a Poisson draw each step
+    max_waiting: int = 16             # no arrivals while this many wait: clients with a concurrency cap
+    abort_probability: float = 0.015  # per step: abort one unfinished request
+    knob_every_steps: int = 4         # a storm round: one valid change and one invalid attempt
+    num_threads: int = 1              # the tiny model gains nothing from more; a loaded machine loses a lot
+
+
+@dataclass
+class SoakReport:
+    requests: int = 0
+    steps: int = 0
+    aborts: Counter = field(default_factory=Counter)      # waiting | prefill | decode | finished (must fail)
+    finished: Counter = field(default_factory=Counter)    # by reason
+    knob_changes: int = 0
+    knobs_refused: int = 0
+    mode_switches: int = 0                                 # batching_mode and preemption_mode changes applied
+    preemptions: int = 0
+    retractions: int = 0
+    violations: list[str] = field(default_factory=list)
+    longest_wait_steps: int = 0                            # arrival to first admission
+    longest_wait_s: float = 0.0
+    longest_life_steps: int = 0                            # arrival to retirement
+    drain_steps: int = 0
+    elapsed_s: float = 0.0
+
+    def text(self) -> str:
+        aborts = sum(n for kind, n in self.aborts.items() if kind != "finished")
+        lines = [
+            f"requests {self.requests}  steps {self.steps}  in {self.elapsed_s:.1f} s",
+            f"finished {dict(sorted(self.finished.items()))}",
+            f"aborts {aborts} (waiting {self.aborts['waiting']}, mid-prefill {self.aborts['prefill']}, "
+            f"mid-decode {self.aborts['decode']}; aborts of finished requests refused "
+            f"{self.aborts['finished']})",
+            f"knob changes {self.knob_changes} (mode switches {self.mode_switches}), invalid knobs refused "
+            f"{self.knobs_refused}",
+            f"preemptions {self.preemptions}  retractions {self.retractions}",
+            f"longest wait {self.longest_wait_steps} steps ({self.longest_wait_s:.2f} s) arrival to admission; "
+            f"longest life {self.longest_life_steps} steps; drain {self.drain_steps} steps",
+            f"violations {len(self.violations)}",
+        ]
+        lines += [f"  {v}" for v in self.violations[:20]]
+        return "\n".join(lines)
+
+
+def check_invariants(engine: Engine) -> list[str]:
+    """Everything that must hold between steps, as a list of what does not (empty: all holds)."""
+    scheduler, kv = engine.scheduler, engine.kv
+    problems = kv.audit()
+    running, waiting, padding = scheduler.running, list(scheduler.waiting), scheduler.padding
+    running_ids = {r.request_id for r in running}
+    waiting_ids = {r.request_id for r in waiting}
+    padding_ids = {r.request_id for r in padding}
+    if len(running_ids) != len(running) or len(waiting_ids) != len(waiting):
+        problems.append("a request is queued twice")
+    if running_ids & waiting_ids:
+        problems.append(f"both waiting and running: {sorted(running_ids & waiting_ids)}")
+    if (running_ids | waiting_ids) & padding_ids:
+        problems.append(f"a padding row is also queued: {sorted((running_ids | waiting_ids) & padding_ids)}")
+    problems += [f"{r.request_id} is running with status {r.status.value}" for r in running
+                 if r.status is not Status.RUNNING]
+    problems += [f"{r.request_id} is waiting with status {r.status.value}" for r in waiting
+                 if r.status not in (Status.WAITING, Status.PREEMPTED)]
+    # blocks belong to running requests, or to static padding rows until their batch ends (by design)
+    stray = kv.holders() - running_ids - padding_ids
+    if stray:
+        problems.append(f"blocks held by requests neither running nor padding: {sorted(stray)[:5]}")
+    if len(running) + len(padding) > engine.batch.capacity:
+        problems.append(f"{len(running) + len(padding)} rows exceed the batch capacity {engine.batch.capacity}")
+    for request_id, slot in engine.batch.slot_of.items():
+        if engine.batch.request_ids[slot] != request_id:
+            problems.append(f"batch slot {slot} does not hold {request_id}")
+    return problems
+
+
+class Soak:
+    """One soak run over one engine; `run()` returns the report."""
+
+    def __init__(self, config: SoakConfig, progress=None):
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.log = EventLog(maxlen=None)
+        self.engine = Engine(EngineConfig(
+            model="tiny", num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
+            max_model_len=config.max_model_len, max_num_seqs=16, max_num_batched_tokens=128,
+            batch_capacity=BATCH_CAPACITY, dynamic_timeout_s=0.001, num_threads=config.num_threads), sink=self.log)
+        self.report = SoakReport()
+        self.progress = progress
+        self._arrived: dict[str, int] = {}      # request id -> step of arrival
+        self._admitted: set[str] = set()
+        self._retired: Counter = Counter()
+        self._cap_before_step = 0
+        self._last_progress_step = 0
+
+    def run(self) -> SoakReport:
+        started = time.perf_counter()
+        engine, report = self.engine, self.report
+        drain_from = None
+        while report.requests < self.config.num_requests or engine.has_unfinished():
+            if report.requests < self.config.num_requests:
+                self._arrivals()
+            elif drain_from is None:
+                drain_from = engine.step_count
+            if self.rng.random() < self.config.abort_probability:
+                self._abort_one()
+            if engine.step_count % self.config.knob_every_steps == 0:
+                self._storm()
+            self._cap_before_step = len(engine.scheduler.running)
+            step_before = engine.step_count
+            for output in engine.step():
+                if output.finished:
+                    engine.release(output.request_id)
+            if engine.step_count == step_before:
+                time.sleep(0.0005)                  # a dynamic batch fills on the wall clock
+            self._after_step()
+            if engine.step_count - self._last_progress_step > STALL_STEPS:
+                report.violations.append(f"no progress for {STALL_STEPS} steps at step {engine.step_count}")
+                break
+            if self.progress and engine.step_count % 2000 == 0 and engine.step_count != step_before:
+                self.progress(f"step {engine.step_count}: {report.requests} requests, "
+                              f"{sum(report.finished.values())} retired")
+        report.steps = engine.step_count
+        report.drain_steps = engine.step_count - (drain_from if drain_from is not None else engine.step_count)
+        self._final_checks()
+        report.elapsed_s = time.perf_counter() - started
+        return report
+
+    # -- what the storm does --------------------------------------------------------------------
+
+    def _arrivals(self) -> None:
+        cfg, rng = self.config, self.rng
+        for _ in range(_poisson(rng, cfg.arrivals_per_step)):
+            if self.report.requests >= cfg.num_requests or len(self.engine.scheduler.waiting) >= cfg.max_waiting:
+                return
+            prompt_len = rng.randint(1, cfg.max_prompt_tokens)
+            sampling = SamplingParams(max_tokens=rng.randint(1, cfg.max_output_tokens), ignore_eos=rng.random() < 0.8,
+                                      temperature=rng.choice((0.0, 0.0, 1.0)), seed=rng.randint(0, 99))
+            prompt = [rng.randint(0, self.engine.vocab_size - 1) for _ in range(prompt_len)]
+            request_id = self.engine.add_request(prompt, sampling, priority=rng.randint(0, 3))
+            self._arrived[request_id] = self.engine.step_count
+            self.report.requests += 1
+
+    def _abort_one(self) -> None:
+        engine, rng = self.engine, self.rng
+        running = engine.scheduler.running
+        groups = {
+            "waiting": list(engine.scheduler.waiting),
+            "prefill": [r for r in running if r.num_output_tokens == 0],
+            "decode": [r for r in running if r.num_output_tokens > 0],
+        }
+        kinds = [kind for kind, group in groups.items() if group]
+        if not kinds:
+            return
+        kind = rng.choice(kinds)
+        request = rng.choice(groups[kind])
+        if not engine.abort(request.request_id):
+            self.report.violations.append(f"abort of {kind} {request.request_id} was refused")
+            return
+        self.report.aborts[kind] += 1
+        if engine.kv.num_blocks_held(request.request_id):
+            self.report.violations.append(f"aborted {request.request_id} still holds blocks")
+        free_before = engine.kv.num_free_blocks
+        if engine.abort(request.request_id):          # twice: a double free would show here
+            self.report.violations.append(f"second abort of {request.request_id} was accepted")
+        else:
+            self.report.aborts["finished"] += 1
+        if engine.kv.num_free_blocks != free_before:
+            self.report.violations.append(f"second abort of {request.request_id} changed the pool")
+        engine.release(request.request_id)
+
+    def _storm(self) -> None:
+        engine, rng = self.engine, self.rng
+        name = rng.choice(sorted(VALID_VALUES))
+        value = rng.choice(VALID_VALUES[name])
+        old = engine.knobs()[name]
+        engine.set_knob(name, value, source="test")
+        if value != old:
+            self.report.knob_changes += 1
+            self.report.mode_switches += name in ("batching_mode", "preemption_mode")
+        name, value = rng.choice(INVALID_VALUES)
+        before = engine.knobs()
+        try:
+            engine.set_knob(name, value, source="test")
+        except ValueError:
+            self.report.knobs_refused += 1
+        else:
+            self.report.violations.append(f"invalid knob {name}={value!r} was accepted")
+        if engine.knobs() != before:
+            self.report.violations.append(f"refused knob {name}={value!r} changed the knobs")
+
+    # -- checks ------------------------------------------------------------------------------------
+
+    def _after_step(self) -> None:
+        engine, report = self.engine, self.report
+        step = engine.step_count
+        report.violations += [f"step {step}: {p}" for p in check_invariants(engine)]
+        knobs = engine.scheduler.knobs
+        for event in self.log.drain():
+            kind = type(event)
+            if kind is ev.StepPlanned:
+                if event.prefill_tokens + event.decode_tokens > event.token_budget:
+                    report.violations.append(f"step {event.step}: {event.prefill_tokens + event.decode_tokens} "
+                                             f"tokens scheduled over the budget {event.token_budget}")
+            elif kind is ev.RequestAdmitted:
+                self._progress(event.step)
+                if not event.resumed and event.request_id not in self._admitted:
+                    self._admitted.add(event.request_id)
+                    wait = event.step - self._arrived[event.request_id]
+                    report.longest_wait_steps = max(report.longest_wait_steps, wait)
+                    request = engine.requests.get(event.request_id)
+                    if request is not None and request.admit_time is not None:
+                        report.longest_wait_s = max(report.longest_wait_s, request.admit_time - request.arrival_time)
+                cap = knobs.max_num_seqs if knobs.batching_mode == "continuous" else min(
+                    knobs.static_batch_size, knobs.max_num_seqs)
+                if len(engine.scheduler.running) > max(cap, self._cap_before_step):
+                    report.violations.append(f"step {event.step}: admitted past max_num_seqs: "
+                                             f"{len(engine.scheduler.running)} running, cap {cap}")
+            elif kind is ev.RequestRetired:
+                self._progress(event.step)
+                self._retired[event.request_id] += 1
+                report.finished[event.reason] += 1
+                arrived = self._arrived.get(event.request_id)
+                if arrived is not None:
+                    report.longest_life_steps = max(report.longest_life_steps, event.step - arrived)
+            elif kind is ev.StepFinished:
+                if event.sampled_request_ids:
+                    self._progress(event.step)
+            elif kind is ev.RequestPreempted:
+                report.preemptions += 1
+            elif kind is ev.RequestRetracted:
+                report.retractions += 1
+            elif kind is ev.StepFailed:
+                report.violations.append(f"step {event.step} raised: {event.error}")
+
+    def _progress(self, step: int) -> None:
+        self._last_progress_step = step
+
+    def _final_checks(self) -> None:
+        engine, report = self.engine, self.report
+        if engine.kv.num_free_blocks != engine.kv.num_blocks:
+            report.violations.append(f"after the drain {engine.kv.num_used_blocks} blocks are still used")
+        if engine.requests:
+            report.violations.append(f"after the drain the engine still keeps {len(engine.requests)} requests")
+        twice = [rid for rid, n in self._retired.items() if n != 1]
+        if twice:
+            report.violations.append(f"retired more than once: {twice[:5]}")
+        never = set(self._arrived) - set(self._retired)
+        if never:
+            report.violations.append(f"never retired (starved): {sorted(never)[:5]}")
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    """Knuth's draw; fine for the small means used here."""
+    limit, k, p = math.exp(-mean), 0, rng.random()
+    while p > limit:
+        k += 1
+        p *= rng.random()
+    return k
+
+
+def run_soak(config: SoakConfig = SoakConfig(), progress=None) -> SoakReport:
+    return Soak(config, progress).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=SoakConfig.num_requests)
+    parser.add_argument("--seed", type=int, default=SoakConfig.seed)
+    parser.add_argument("--kv-blocks", type=int, default=SoakConfig.num_kv_blocks)
+    args = parser.parse_args(argv)
+    config = SoakConfig(num_requests=args.requests, seed=args.seed, num_kv_blocks=args.kv_blocks)
+    report = run_soak(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(report.text())
+    return 1 if report.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The soak, bounded: every invariant after every step through aborts, a knob storm and a dry pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchtop.engine.soak import SoakConfig, check_invariants, run_soak
+
+NUM_REQUESTS = 400
+
+
+@pytest.fixture
+def keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bounded_soak_holds_every_invariant(keep_torch_threads):
+    report = run_soak(SoakConfig(num_requests=NUM_REQUESTS, seed=1))
+    print(report.text())
+    assert report.violations == []
+    assert sum(report.finished.values()) == NUM_REQUESTS
+    assert report.finished["abort"] == sum(n for kind, n in report.aborts.items() if kind != "finished")
+    assert min(report.aborts["waiting"], report.aborts["prefill"], report.aborts["decode"]) >= 3
+    assert report.aborts["finished"] == report.finished["abort"]       # every second abort refused
+    assert report.preemptions >= 30 and report.retractions >= 5
+    assert report.knob_changes >= 300 and report.mode_switches >= 60 and report.knobs_refused >= 500
+    assert report.longest_wait_steps < 2_000
+
+
+def test_the_checks_see_a_leak_a_double_holder_and_a_double_queue(keep_torch_threads):
+    from batchtop.engine.soak import Soak
+    soak = Soak(SoakConfig(num_requests=0))
+    engine = soak.engine
+    assert check_invariants(engine) == []
+    a = engine.add_request([1, 2, 3])
+    engine.step()
+    kv = engine.kv
+    kv._blocks["ghost"] = [kv._free.popleft()]                        # a block nobody running holds
+    assert any("neither running nor padding" in p for p in check_invariants(engine))
+    kv._blocks["ghost"] = list(kv.block_ids(a))                       # held twice
+    assert any("held by" in p and "ghost" in p for p in check_invariants(engine))
+    kv._blocks.pop("ghost")
+    kv._free.append(kv._free[0])                                      # freed twice
+    assert any("free list twice" in p for p in check_invariants(engine))
+    kv._free.pop()
+    engine.scheduler.waiting.append(engine.scheduler.running[0])
+    assert any("both waiting and running" in p for p in check_invariants(engine))

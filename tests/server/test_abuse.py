@@ -1,0 +1,37 @@
+"""The API under abuse (engine/abuse.py): every case as expected, no 5xx, the engine serves on."""
+from __future__ import annotations
+
+from batchtop.engine.abuse import run_cases
+from conftest import API_KEY, wait_idle
+
+FLOOD = 2000
+
+
+def test_abuse_cases_get_4xx_never_5xx(keyed):
+    server, thread = keyed
+    report = run_cases(thread.url, API_KEY, server.model_name, server.engine.max_model_len, server.max_body_bytes,
+                       flood=FLOOD)
+    print(report.text())
+    assert report.problems == [] and report.num_5xx == 0
+    assert len(report.cases) == 9 and report.num_requests > FLOOD + 100
+    by_name = {case.name: case for case in report.cases}
+    assert by_name[f"{FLOOD} tiny requests at once"].statuses == {200: FLOOD}
+    assert by_name["bodies at and over the size limit (413)"].statuses[413] == 4
+    wait_idle(server)
+    assert not server.engine.requests and not server.router._pending
+
+
+def test_the_key_is_compared_in_constant_time(keyed, monkeypatch):
+    import hmac
+
+    import httpx
+    compared = []
+    real = hmac.compare_digest
+
+    def spy(given, expected):
+        compared.append((given, expected))
+        return real(given, expected)
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    url = keyed[1].url
+    assert httpx.post(url + "/v1/pause", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert compared == [(b"Bearer nope", f"Bearer {API_KEY}".encode())]
