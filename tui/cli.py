@@ -219,10 +219,20 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_top(args) -> int:
-    from batchtop.tui.app import BatchtopApp
-    from batchtop.tui.remote_source import RemoteSource
-    BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
-                refresh_s=args.refresh).run()
+    from batchtop.tui.metrics_source import MetricsSource, NotAServer, detect
+    try:
+        found = detect(args.url, args.api_key)
+    except NotAServer as error:
+        print(f"batchtop: {error}", file=sys.stderr)
+        return 2
+    if found.kind == "events":
+        from batchtop.tui.app import BatchtopApp
+        from batchtop.tui.remote_source import RemoteSource
+        BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
+                    refresh_s=args.refresh).run()
+        return 0
+    from batchtop.tui.metrics_app import MetricsApp
+    MetricsApp(MetricsSource(args.url, found.kind, args.api_key, period_s=args.period), engine=args.engine).run()
     return 0
 
 
@@ -254,9 +264,14 @@ def _add_server_commands(sub) -> None:
     sweep.add_argument("--no-color", action="store_true", help="plain plot (for files)")
     sweep.set_defaults(func=cmd_sweep, max_num_seqs=1)
 
-    top = sub.add_parser("top", help="the dashboard over a running `batchtop serve`")
+    top = sub.add_parser("top", help="the dashboard over a running server: batchtop serve, batchtop's "
+                                     "scheduler in vLLM, or any vLLM / SGLang through /metrics")
     top.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     top.add_argument("--api-key", default=os.environ.get("BATCHTOP_API_KEY"))
+    top.add_argument("--period", type=float, default=1.0, metavar="SECONDS",
+                     help="over /metrics: scrape every SECONDS (default 1)")
+    top.add_argument("--engine", default=None,
+                     help="over /metrics: the engine to show first, e.g. engine=1 (e cycles; default the first)")
     _add_refresh_flag(top)
     top.set_defaults(func=cmd_top)
 
