@@ -256,12 +256,18 @@ def _add_server_commands(sub) -> None:
     bench.set_defaults(func=cmd_bench)
 
     sweep = sub.add_parser("sweep", conflict_handler="resolve",
-                           help="the same trace at several max_num_seqs on the embedded engine")
+                           help="the same trace at several max_num_seqs: the embedded engine, or a server "
+                                "started per value (--launch)")
     add_bench_flags(sweep)
     add_engine_flags(sweep)
     sweep.add_argument("--max-num-seqs", dest="values", default="1,4,16,64,256",
                        help="comma-separated max_num_seqs values (default 1,4,16,64,256)")
     sweep.add_argument("--no-color", action="store_true", help="plain plot (for files)")
+    sweep.add_argument("--launch", default=None, metavar="COMMAND",
+                       help="a server command with {max_num_seqs} (and optionally {port}, from --base-url, default "
+                            "http://127.0.0.1:8000): started, benchmarked and stopped for each value")
+    sweep.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="with --launch: how long a server may take to answer /health")
     sweep.set_defaults(func=cmd_sweep, max_num_seqs=1)
 
     top = sub.add_parser("top", help="the dashboard over a running server: batchtop serve, batchtop's "

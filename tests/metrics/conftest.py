@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import http.server
 import threading
-from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
-STOCK_VLLM_PORT = 8210
+from metrics_helpers import skip_without_vllm, stock_vllm_options
 
+STOCK_VLLM_PORT = 8210
 
 
 class TextServer:
@@ -59,23 +58,6 @@ def text_server():
     yield start
     for server in servers:
         server.stop()
-
-
-def stock_vllm_options(port: int, **overrides):
-    from batchtop.engine.model import smollm2_folder
-    from batchtop.engine.vllm.launch import VllmOptions
-    settings = dict(model=str(smollm2_folder(lambda *_: None)), port=port, scheduler_cls=None,
-                    enforce_eager=True, max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=6,
-                    kv_cache_gib=1.0)
-    settings.update(overrides)
-    return VllmOptions(**settings)
-
-
-def skip_without_vllm() -> None:
-    from batchtop.engine.vllm.launch import vllm_available
-    reason = vllm_available()
-    if reason:
-        pytest.skip(f"no vLLM here: {reason}")
 
 
 @pytest.fixture(scope="session")
