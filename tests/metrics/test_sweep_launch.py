@@ -42,14 +42,14 @@ def test_sweep_over_a_real_vllm_measures_both_points_and_leaves_nothing(tmp_path
         f"--port {SWEEP_PORT}", "--port {port}")
     out = tmp_path / "sweep.json"
     rc = main(["sweep", "--launch", template, "--max-num-seqs", "1,4", "--base-url", f"http://127.0.0.1:{SWEEP_PORT}",
-               "--num-prompts", "8", "--random-input-len", "200", "--random-output-len", "12",
+               "--num-prompts", "4", "--random-input-len", "64", "--random-output-len", "8",
                "--startup-timeout", "300", "--save-result", str(out), "--no-color"])
     printed = capsys.readouterr().out
     points = json.loads(out.read_text())
     assert rc == 0, printed
     assert [p["max_num_seqs"] for p in points] == [1, 4]
     for p in points:
-        assert p["completed"] == 8 and p["output_throughput"] > 0
+        assert p["completed"] == 4 and p["output_throughput"] > 0
         assert p["preemptions"] is not None and p["steps"] > 0
         assert not p["left_running"] and group_gone(p["server_pgid"])
     # one row at a time takes a step per output token: more steps than four rows at a time
