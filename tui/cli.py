@@ -232,7 +232,8 @@ def cmd_top(args) -> int:
                     refresh_s=args.refresh).run()
         return 0
     from batchtop.tui.metrics_app import MetricsApp
-    MetricsApp(MetricsSource(args.url, found.kind, args.api_key, period_s=args.period), engine=args.engine).run()
+    source = MetricsSource(args.url, found.kind, args.api_key, period_s=args.period).start()
+    MetricsApp(source, engine=args.engine).run()
     return 0
 
 

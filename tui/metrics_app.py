@@ -1,8 +1,9 @@
 """MetricsApp: the dashboard over a stock vLLM or SGLang, read through `/metrics`.
 
 The same screen as BatchtopApp (header, KV gauge and history, plots, a log) with what a
-scrape can give: the source is a `MetricsSource`, each tick copies its engines, and the
-panels that need per-step events (slot grid, request table) say what would fill them.
+scrape can give: the source is a `MetricsSource` (started by the caller), each tick copies
+its engines when a scrape came in, and the panels that need per-step events (slot grid,
+request table) say what would fill them.
 Knob, pause and abort keys answer why they cannot act here.
 """
 from __future__ import annotations
@@ -71,7 +72,6 @@ class MetricsApp(App):
         self.switcher = self.query_one(ContentSwitcher)
         self.plot_panels = list(self.query(MetricsPlot))
         self._render_viewbar()
-        self.source.start()
         if self._tick_s:
             self.set_interval(self._tick_s, self.tick)
         self.tick()
@@ -128,6 +128,7 @@ class MetricsApp(App):
         self.switcher.current = name
         self._render_viewbar()
         self.refresh_views()
+        self.call_after_refresh(self.refresh_views)       # plots need their size, known after the switch
 
     def action_next_engine(self) -> None:
         keys = list(self.engines)

@@ -145,6 +145,7 @@ class MetricsSource(Source):
             self.last_scrape, self.last_text = scrape, response.text
             self.num_scrapes += 1
             self.version += 1
+        self.connected, self.last_error = True, None
         return scrape
 
     def _fold(self, scrape: Scrape) -> None:
@@ -180,7 +181,7 @@ class MetricsSource(Source):
                 self.retry_at = None
                 delay = min(delay * 2, self.backoff_s[1])
                 continue
-            self.connected, delay = True, self.backoff_s[0]
+            delay = self.backoff_s[0]
             self._stop.wait(max(0.0, self.period_s - (time.monotonic() - started)))
 
     # -- what the app reads ----------------------------------------------------------------------

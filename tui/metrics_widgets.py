@@ -69,9 +69,9 @@ class MetricsHeader(Static):
         line.append(f"  KV {fmt(kv_pct(view), '3.0f', '%')}", style="magenta")
         if last is not None and last.prefix_hit_rate is not None:
             line.append(f"  prefix hit {last.prefix_hit_rate * 100:.0f}%")
-        line.append("  │ knobs: not exported by /metrics (read-only)", style="bold")
         if view.num_resets:
             line.append(f"  server restarted {view.num_resets}x", style="bold red")
+        line.append("  │ knobs: read-only (none in /metrics)", style="bold")
         return line
 
 
