@@ -221,18 +221,18 @@ def cmd_sweep(args) -> int:
 def cmd_top(args) -> int:
     from batchtop.tui.metrics_source import MetricsSource, NotAServer, detect
     try:
-        found = detect(args.url, args.api_key)
+        kind = detect(args.url, args.api_key)
     except NotAServer as error:
         print(f"batchtop: {error}", file=sys.stderr)
         return 2
-    if found.kind == "events":
+    if kind == "events":
         from batchtop.tui.app import BatchtopApp
         from batchtop.tui.remote_source import RemoteSource
         BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
                     refresh_s=args.refresh).run()
         return 0
     from batchtop.tui.metrics_app import MetricsApp
-    source = MetricsSource(args.url, found.kind, args.api_key, period_s=args.period).start()
+    source = MetricsSource(args.url, kind, args.api_key, period_s=args.period).start()
     MetricsApp(source, engine=args.engine).run()
     return 0
 

@@ -36,13 +36,8 @@ class NotAServer(Exception):
     """Nothing batchtop can show answers at the URL; the message says what was tried."""
 
 
-@dataclass(frozen=True)
-class Detected:
-    kind: str            # "events", "vllm" or "sglang"
-    url: str
-
-
-def detect(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> Detected:
+def detect(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> str:
+    """"events" (batchtop's event stream), "vllm" or "sglang"; NotAServer otherwise."""
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     tried = []
@@ -52,7 +47,7 @@ def detect(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> Dete
         except httpx.HTTPError as error:
             raise NotAServer(f"nothing answers at {url}: {type(error).__name__}: {error}") from None
         if knobs.status_code == 200 and _is_json_with(knobs, "knobs"):
-            return Detected("events", url)
+            return "events"
         if knobs.status_code == 401:
             raise NotAServer(f"{url} wants an API key (GET /v1/knobs: HTTP 401); give --api-key")
         tried.append(f"GET /v1/knobs (batchtop's event stream): HTTP {knobs.status_code}")
@@ -67,7 +62,7 @@ def detect(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> Dete
                 tried.append(f"GET /metrics: not Prometheus text ({error})")
             else:
                 if flavour is not None:
-                    return Detected(flavour, url)
+                    return flavour
                 tried.append("GET /metrics: Prometheus text without vllm: or sglang: series")
         else:
             tried.append(f"GET /metrics (vLLM or SGLang): HTTP {metrics.status_code}")
@@ -114,7 +109,6 @@ class MetricsSource(Source):
         self.flavour = flavour
         self.period_s = period_s
         self.backoff_s = backoff_s
-        self.meta = {"model": None, "device": f"{flavour} {self.url}/metrics"}
         self._client = httpx.Client(base_url=self.url, timeout=timeout_s,
                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         self._clock = clock
@@ -128,7 +122,6 @@ class MetricsSource(Source):
         self.last_error: str | None = None
         self.retry_at: float | None = None
         self.num_scrapes = 0
-        self.num_failures = 0
         self.version = 0                 # bumped by every successful scrape (the app redraws on change)
 
     # -- scraping ------------------------------------------------------------------------------
@@ -157,8 +150,6 @@ class MetricsSource(Source):
                 continue
             view.add(derive(view.latest, snapshot, scrape.t, scrape.t - previous.t if previous else 0.0))
             view.latest = snapshot
-        if scrape.engines:
-            self.meta["model"] = ", ".join(sorted({key.split(" ")[0] for key in scrape.engines}))
 
     def start(self) -> MetricsSource:
         if self._thread is None:
@@ -174,7 +165,6 @@ class MetricsSource(Source):
                 self.scrape_once()
             except (httpx.HTTPError, OSError, ValueError) as error:
                 self.connected = False
-                self.num_failures += 1
                 self.last_error = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
                 self.retry_at = time.monotonic() + delay
                 self._stop.wait(delay)

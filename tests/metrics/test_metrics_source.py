@@ -7,7 +7,7 @@ import time
 import pytest
 
 from batchtop.tui.cli import main
-from batchtop.tui.metrics_source import MetricsSource, NotAServer, detect
+from batchtop.tui.metrics_source import MetricsSource, detect
 from expositions import sglang_exposition, vllm_fixture
 
 ENGINE = "smollm2 engine=0"
@@ -21,8 +21,8 @@ def wait_until(predicate, timeout_s=10.0):
 
 
 def test_detects_vllm_and_sglang(text_server):
-    assert detect(text_server({"/metrics": (200, vllm_fixture("busy"))}).url).kind == "vllm"
-    assert detect(text_server({"/metrics": (200, sglang_exposition())}).url).kind == "sglang"
+    assert detect(text_server({"/metrics": (200, vllm_fixture("busy"))}).url) == "vllm"
+    assert detect(text_server({"/metrics": (200, sglang_exposition())}).url) == "sglang"
 
 
 @pytest.mark.parametrize("routes, says", [

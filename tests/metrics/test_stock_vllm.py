@@ -50,7 +50,7 @@ async def complete(client: httpx.AsyncClient, url: str, i: int) -> dict:
 @pytest.mark.asyncio
 async def test_dashboard_agrees_with_vllm_metrics_during_and_after_a_load(stock_vllm):
     _, url = stock_vllm
-    assert detect(url).kind == "vllm"
+    assert detect(url) == "vllm"
     # A long period: the test scrapes by hand, so that it knows which exposition the screen shows.
     source = MetricsSource(url, "vllm", period_s=3600)
     app = MetricsApp(source, tick_s=None)

@@ -3,7 +3,7 @@ from batchtop.tui.metrics_source import detect
 
 
 def test_detects_batchtop_serve_before_its_vllm_names(base_url):
-    assert detect(base_url).kind == "events"
+    assert detect(base_url) == "events"
 
 
 def test_batchtop_metrics_read_as_vllm_names(base_url):
