@@ -48,9 +48,8 @@ def detect(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> str:
             raise NotAServer(f"nothing answers at {url}: {type(error).__name__}: {error}") from None
         if knobs.status_code == 200 and _is_json_with(knobs, "knobs"):
             return "events"
-        if knobs.status_code == 401:
-            raise NotAServer(f"{url} wants an API key (GET /v1/knobs: HTTP 401); give --api-key")
-        tried.append(f"GET /v1/knobs (batchtop's event stream): HTTP {knobs.status_code}")
+        wants_key = " (the server wants an API key: --api-key)" if knobs.status_code == 401 else ""
+        tried.append(f"GET /v1/knobs (batchtop's event stream): HTTP {knobs.status_code}{wants_key}")
         try:
             metrics = client.get("/metrics")
         except httpx.HTTPError as error:

@@ -23,10 +23,13 @@ def wait_until(predicate, timeout_s=10.0):
 def test_detects_vllm_and_sglang(text_server):
     assert detect(text_server({"/metrics": (200, vllm_fixture("busy"))}).url) == "vllm"
     assert detect(text_server({"/metrics": (200, sglang_exposition())}).url) == "sglang"
+    # vLLM with --api-key guards /v1/* but not /metrics
+    assert detect(text_server({"/v1/knobs": (401, "{}"), "/metrics": (200, vllm_fixture("busy"))}).url) == "vllm"
 
 
 @pytest.mark.parametrize("routes, says", [
     ({"/": (200, "<html>hello</html>")}, "HTTP 404"),
+    ({"/v1/knobs": (401, "{}"), "/metrics": (401, "{}")}, "wants an API key"),
     ({"/metrics": (200, "# TYPE up gauge\nup 1\n")}, "without vllm: or sglang: series"),
     ({"/metrics": (200, "<html>not metrics</html>")}, "not Prometheus text"),
 ])
