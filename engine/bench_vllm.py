@@ -22,7 +22,7 @@ import sys
 import time
 
 from . import bench_serving as bs
-from .bench_server_overhead import DOC, write_section
+from .bench_doc import commit, cpu_name, write_section
 from .config import EngineConfig
 from .model import smollm2_folder
 from .sweep_launch import sweep_launched
@@ -108,12 +108,9 @@ def sweeps(args, requests) -> tuple[list[dict], list[dict]]:
 
 def render(args, best: dict, on_vllm: list[dict], embedded: list[dict], seconds: float) -> str:
     ratio = best["batchtop serve"]["output_throughput"] / best["vLLM"]["output_throughput"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=DOC.parent).stdout.strip() or "?"
-    cpu = _cpu_name()
     lines = [SECTION, "",
              f"Measured with `python -m batchtop.engine.bench_vllm{' --eager' if args.eager else ''}` on "
-             f"{time.strftime('%Y-%m-%d')}, commit {commit}, {cpu} ({os.cpu_count()} CPUs), in {seconds / 60:.0f} min. "
+             f"{time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()} ({os.cpu_count()} CPUs), in {seconds / 60:.0f} min. "
              "The machine was shared with other jobs during the run (other engineers' tests and servers), so the "
              "absolute figures are low and noisy; the runs alternate so that both sides see the same load.", "",
              f"**Side by side.** {args.num_prompts} requests, 16..112 prompt and 16..112 output tokens (random, "
@@ -132,16 +129,6 @@ def render(args, best: dict, on_vllm: list[dict], embedded: list[dict], seconds:
               f"from vLLM's /metrics): {args.sweep_prompts} requests of the same kind, all at once.", "", "```", bs.sweep_table(on_vllm), "```", "",
               "**The same sweep on the embedded engine:**", "", "```", bs.sweep_table(embedded), "```", ""]
     return "\n".join(lines)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def _vllm_version() -> str:
@@ -170,7 +157,7 @@ def main(argv=None) -> int:
     text = render(args, best, on_vllm, embedded, time.monotonic() - started)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(SECTION, text)
     return 0
 
 
