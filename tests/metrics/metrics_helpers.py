@@ -9,7 +9,7 @@ def stock_vllm_options(port: int, **overrides):
     from batchtop.engine.vllm.launch import VllmOptions
     settings = dict(model=str(smollm2_folder(lambda *_: None)), port=port, scheduler_cls=None,
                     enforce_eager=True, max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=6,
-                    kv_cache_gib=1)
+                    kv_cache_gib=1, omp_threads=1)
     settings.update(overrides)
     return VllmOptions(**settings)
 
