@@ -80,12 +80,14 @@ class ServerMetrics:
         self.retractions = _Family(counter("batchtop_retractions_total", "Retractions.").labels(**model),
                                    any_preemption)
         self.prompt_tokens = _Family(
-            counter("batchtop_prompt_tokens_total", "Prompt tokens of requests that got a first token.").labels(**model),
+            counter("batchtop_prompt_tokens_total",
+                    "Prompt tokens of requests that got a first token.").labels(**model),
             counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.").labels(**model))
         self.generation_tokens = _Family(
             counter("batchtop_generation_tokens_total", "Output tokens sampled.").labels(**model),
             counter("vllm:generation_tokens_total", "Number of generation tokens processed.").labels(**model))
-        self.events_dropped = counter("batchtop_events_dropped_total", "Telemetry events the server lost.").labels(**model)
+        self.events_dropped = counter("batchtop_events_dropped_total",
+                                      "Telemetry events the server lost.").labels(**model)
         self.paused = gauge("batchtop_paused", "1 while the engine loop is paused.").labels(**model)
         self._finished = counter("batchtop_requests_finished_total", "Requests retired, by reason.", ("reason",))
         self._success = counter("vllm:request_success_total", "Count of successfully processed requests.",

@@ -7,9 +7,10 @@ with `vllm:` or `sglang:` names, else a `NotAServer` naming what it tried.
 `MetricsSource` scrapes on a thread every `period_s`, parses each exposition
 (`telemetry.exposition`) and turns consecutive scrapes into one `Interval` per engine
 (`telemetry.intervals`). It hands the dashboard no events (a stock server has none): the
-metrics app reads `engines`, `intervals` and `totals`. A server that goes away is retried
-with exponential backoff; one that comes back with lower counters (a restart) gives an
-interval marked `reset`, never a negative rate. Knobs are read-only: `/metrics` has none.
+metrics app reads `snapshot()` (engine -> `EngineView`: latest snapshot, intervals, run
+totals). A server that goes away is retried with exponential backoff; one that comes back
+with lower counters (a restart) gives an interval marked `reset`, never a negative rate.
+Knobs are read-only: `/metrics` has none.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from .sources import Source
 MAX_INTERVALS = 3600                 # per engine: an hour at the default period
 SCHEDULER_HINT = ("start vLLM with --scheduler-cls batchtop.engine.vllm.scheduler.BatchtopScheduler and "
                   "BATCHTOP_EVENTS_PORT set, and point batchtop top at that port")
-READ_ONLY_WHY = f"knobs are read-only over /metrics (a stock server exports none and takes no commands); {SCHEDULER_HINT}"
+READ_ONLY_WHY = ("knobs are read-only over /metrics (a stock server exports none and takes no commands); "
+                 + SCHEDULER_HINT)
 NO_PAUSE_WHY = f"a stock server cannot be paused or stepped from /metrics; {SCHEDULER_HINT}"
 
 

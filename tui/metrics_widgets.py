@@ -52,7 +52,8 @@ class MetricsHeader(Static):
             line.append("  waiting for the first scrape")
             return line
         last, latest = last_interval(view), view.latest
-        count = f" ({list(app.engines).index(app.engine) + 1}/{len(app.engines)}, e: next)" if len(app.engines) > 1 else ""
+        keys = list(app.engines)
+        count = f" ({keys.index(app.engine) + 1}/{len(keys)}, e: next)" if len(keys) > 1 else ""
         line.append(f" {view.engine}{count}", style="bold")
         if last is not None:
             line.append(f"  {fmt(last.steps_per_s, '.1f')} st/s  {fmt(last.tokens_per_step, '.1f')} tok/step"
