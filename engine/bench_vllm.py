@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 from . import bench_serving as bs
 from .bench_doc import commit, cpu_name, write_section
@@ -57,11 +58,11 @@ def side_by_side(args, requests) -> dict:
         for server in servers.values():
             server.wait_healthy(900)
         for name, server in servers.items():              # warm-up while the other waits stopped
-            with _only(servers, name):
+            with only_running(servers, name):
                 bs.bench_server(server.url, "smollm2", requests[:8])
         for round_ in range(args.rounds):
             for name, server in servers.items():
-                with _only(servers, name):
+                with only_running(servers, name):
                     results, duration = bs.bench_server(server.url, "smollm2", requests)
                 summary = bs.summarize(results, duration)
                 print(f"round {round_ + 1}: {name} {summary['output_throughput']:.1f} out tok/s", file=sys.stderr)
@@ -74,18 +75,16 @@ def side_by_side(args, requests) -> dict:
     return best
 
 
-class _only:
-    """Stop (SIGSTOP) every server but `name` for the duration of the block."""
-
-    def __init__(self, servers: dict[str, LaunchedServer], name: str):
-        self.others = [s for n, s in servers.items() if n != name]
-
-    def __enter__(self):
-        for server in self.others:
-            _signal_group(server, signal.SIGSTOP)
-
-    def __exit__(self, *exc):
-        for server in self.others:
+@contextmanager
+def only_running(servers: dict[str, LaunchedServer], name: str):
+    """Every server but `name` stopped (SIGSTOP, whole process group) for the duration of the block."""
+    others = [server for other, server in servers.items() if other != name]
+    for server in others:
+        _signal_group(server, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for server in others:
             _signal_group(server, signal.SIGCONT)
 
 
