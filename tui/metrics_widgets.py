@@ -156,9 +156,10 @@ def interval_line(interval: Interval, t0: float) -> Text:
     text.append(f"in {_rate(interval.prompt_tok_s)} out {_rate(interval.gen_tok_s)} tok/s  ")
     text.append(f"run {fmt(interval.running)} wait {fmt(interval.waiting)}  KV "
                 f"{fmt(None if interval.kv_usage is None else interval.kv_usage * 100, '.0f', '%')}")
-    ttft = interval.latency.get("ttft")
-    if ttft and ttft[0] is not None:
-        text.append(f"  TTFT p50 {fmt_ms(ttft[0])} p99 {fmt_ms(ttft[1])}", style="cyan")
+    for name, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "E2E")):
+        p50, p99 = interval.latency.get(name, (None, None))
+        if p50 is not None:
+            text.append(f"  {label} p50 {fmt_ms(p50)} p99 {fmt_ms(p99)}", style="cyan")
     return text
 
 

@@ -63,3 +63,15 @@ async def test_sglang_view_shows_its_pool_in_tokens(text_server):
         text = await show(app, pilot)
     assert "qwen" in text and "run 3  wait 5" in text
     assert "KV pool 10000/40000 tokens 25%" in text and "server: 123 gen tok/s" in text
+
+
+def test_interval_line_carries_the_latency_percentiles():
+    from batchtop.telemetry.exposition import parse_exposition
+    from batchtop.telemetry.intervals import derive
+    from batchtop.tui.metrics_widgets import interval_line
+    engine = "smollm2 engine=0"
+    busy, drained = parse_exposition(vllm_fixture("busy"), 1.0), parse_exposition(vllm_fixture("drained"), 21.0)
+    line = interval_line(derive(busy.engines[engine], drained.engines[engine], t=21.0, dt=20.0), t0=1.0).plain
+    assert line.startswith("+    20.0s steps 186") and "retired 12 (length 12)" in line
+    for label in ("TTFT p50", "ITL p50", "E2E p50"):
+        assert label in line
