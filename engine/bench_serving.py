@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator
@@ -409,14 +410,23 @@ def sweep(config, requests, values: list[int], *, loaded=None, **run_kwargs) -> 
 
 
 def sweep_table(points: list[dict]) -> str:
+    """One row per point; a point whose server did not start says so, with its log's tail below."""
     head = (f"{'max_num_seqs':>12} {'req/s':>7} {'out tok/s':>10} {'mean TTFT ms':>13} {'p99 TPOT ms':>12} "
             f"{'p99 ITL ms':>11} {'preempt':>8} {'retract':>8} {'steps':>7}")
-    lines = [head, "-" * len(head)]
+    lines, failures = [head, "-" * len(head)], []
     for p in points:
+        if "error" in p:
+            lines.append(f"{p['max_num_seqs']:>12} failed: {p['error']}")
+            failures.append(f"max_num_seqs={p['max_num_seqs']}: the end of the server's log:\n{p['log_tail']}")
+            continue
         lines.append(f"{p['max_num_seqs']:>12} {p['request_throughput']:>7.2f} {p['output_throughput']:>10.1f} "
                      f"{_ms(p['mean_ttft_ms']):>13} {_ms(p['p99_tpot_ms']):>12} {_ms(p['p99_itl_ms']):>11} "
-                     f"{p['preemptions']:>8} {p['retractions']:>8} {p['steps']:>7}")
-    return "\n".join(lines)
+                     f"{_count(p.get('preemptions')):>8} {_count(p.get('retractions')):>8} {_count(p.get('steps')):>7}")
+    return "\n".join(lines + failures)
+
+
+def _count(value) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
 
 
 def _ms(value) -> str:
@@ -431,6 +441,9 @@ def sweep_plot(points: list[dict], width: int = 78, height: int = 20, color: boo
     fig.clear()
     fig.theme("default" if color else "clear")
     fig.plot_size(width, height)
+    points = [p for p in points if "error" not in p]
+    if not points:
+        return "no point measured: nothing to plot"
     xs = [math.log2(p["max_num_seqs"]) for p in points]
     throughput = fig.signal(xs, [p["output_throughput"] for p in points], marker="hd")
     throughput.label("output tok/s (left)")
@@ -530,11 +543,19 @@ def run_sweep(args, config) -> int:
     if not values or values[0] < 1:
         raise ValueError(f"--max-num-seqs values must be integers >= 1, got {args.values!r}")
     requests = dataset_from_args(args)
-    points = sweep(config, requests, values, request_rate=args.request_rate, burstiness=args.burstiness,
-                   max_concurrency=args.max_concurrency, seed=args.seed)
+    run = dict(request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+               seed=args.seed)
+    if args.launch:
+        from .sweep_launch import sweep_launched
+        points = sweep_launched(args.launch, values, requests, base_url=args.base_url or "http://127.0.0.1:8000",
+                                model=args.served_model_name, api_key=args.api_key,
+                                startup_timeout_s=args.startup_timeout, ignore_eos=not args.no_ignore_eos,
+                                log=lambda line: print(line, file=sys.stderr, flush=True), **run)
+    else:
+        points = sweep(config, requests, values, **run)
     print(sweep_table(points))
     print(sweep_plot(points, color=not args.no_color))
     if args.save_result:
         with open(args.save_result, "w") as f:
             json.dump(points, f, indent=2, default=str)
-    return 0
+    return 1 if any("error" in p for p in points) else 0

@@ -23,7 +23,7 @@ from typing import Union
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchtop.telemetry import events as ev
@@ -33,7 +33,7 @@ from batchtop.telemetry.stream import (SSE_HEADERS, BearerAuth, EventRing, bind_
 
 from .loop import EngineLoop
 from .sampling import SamplingParams
-from .server_metrics import ServerMetrics
+from .server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from .server_openai import (ApiError, ChatCompletionRequest, CompletionRequest, KnobUpdate, TextStream,
                             message_text, stop_strings)
 
@@ -119,8 +119,7 @@ class BatchtopServer:
         self.created = int(time.time())
         self.subscription = bus.subscribe(maxlen=max(event_history, 200_000))
         self.ring = EventRing(event_history)
-        self.metrics = ServerMetrics(self.model_name)
-        self.metrics.knobs = dict(self.engine.knobs())
+        self.metrics = ServerMetrics(self.model_name, knobs=self.engine.knobs())
         self.router = OutputRouter()
         self.paused = loop.paused
         self.closing = False          # set on shutdown: endless event streams end so the server can stop
@@ -447,7 +446,7 @@ def build_app(server: BatchtopServer) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
     async def metrics():
         server.pump()
-        return PlainTextResponse(server.metrics.exposition(), media_type="text/plain; version=0.0.4")
+        return Response(server.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/events", responses=ERROR_RESPONSES,
              description="Server-sent telemetry events; each `id:` is the event's seq. Resume with "

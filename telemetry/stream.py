@@ -2,6 +2,8 @@
 
 Every server that publishes batchtop's events (`batchtop serve`, and batchtop's scheduler
 inside vLLM) speaks this protocol, so one client (`batchtop top --url`) follows either.
+The framing, keep-alive comments and disconnect handling are sse-starlette's (vLLM installs
+it too, so this module loads inside vLLM's engine process).
 
 Every telemetry event gets a sequence number (`seq`, from 1, without holes) as it enters
 a bounded ring; the SSE `id:` of an event is its seq, so a client that reconnects with
@@ -21,12 +23,15 @@ import ipaddress
 import json
 import socket
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from .events import Event
 from .recorder import encode_event
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache"}
+SSE_SEP = "\n"
+HEARTBEAT_S = 10.0
 
 
 class EventRing:
@@ -89,9 +94,9 @@ class EventRing:
         return self.next_seq > seq
 
 
-def sse(data: str, *, event: str | None = None, id: int | None = None) -> str:
-    head = (f"id: {id}\n" if id is not None else "") + (f"event: {event}\n" if event else "")
-    return f"{head}data: {data}\n\n"
+def sse(data: str, *, event: str | None = None, id: int | None = None) -> bytes:
+    """One server-sent event, framed by sse-starlette (lines end in LF, as before)."""
+    return ServerSentEvent(data, event=event, id=None if id is None else str(id), sep=SSE_SEP).encode()
 
 
 def resolve_start(ring: EventRing, last_event_id: str | None, from_step: int | None) -> tuple[int, dict | None]:
@@ -120,16 +125,16 @@ def resolve_start(ring: EventRing, last_event_id: str | None, from_step: int | N
 
 
 async def event_stream(ring: EventRing, start: int, hello: dict, notice: dict | None, *,
-                       heartbeat_s: float = 10.0, batch: int = 2000, closing=lambda: False):
-    """SSE text: `hello`, maybe `gap`, then every event from `start` on, each with its seq as id.
+                       batch: int = 2000, closing=lambda: False):
+    """SSE: `hello`, maybe `gap`, then every event from `start` on, each with its seq as id.
 
-    Ends when `closing()` turns true (the server shuts down), so a shutdown need not wait for it.
+    Events ready together go out as one chunk (up to `batch` of them). Ends when `closing()`
+    turns true (the server shuts down), so a shutdown need not wait for it.
     """
     yield sse(json.dumps({**hello, "start_seq": start}), event="hello")
     if notice is not None:
         yield sse(json.dumps(notice), event="gap")
     seq = start
-    quiet_s = 0.0
     while not closing():
         if seq < ring.oldest_seq:           # this client fell behind the ring
             notice = {"requested_seq": seq, "oldest_seq": ring.oldest_seq, "lost": ring.oldest_seq - seq,
@@ -138,29 +143,29 @@ async def event_stream(ring: EventRing, start: int, hello: dict, notice: dict | 
             seq = ring.oldest_seq
         end = min(ring.next_seq, seq + batch)
         if end > seq:
-            yield "".join(sse(ring.line(s), id=s) for s in range(seq, end))
+            yield b"".join(sse(ring.line(s), id=s) for s in range(seq, end))
             seq = end
             await asyncio.sleep(0)
-            quiet_s = 0.0
-        elif not await ring.wait_beyond(seq, 0.5):
-            quiet_s += 0.5
-            if quiet_s >= heartbeat_s:
-                quiet_s = 0.0
-                yield ": keep-alive\n\n"
+        else:
+            await ring.wait_beyond(seq, 0.5)
 
 
 def events_response(ring: EventRing, last_event_id: str | None, from_step: int | None, hello: dict, *,
-                    closing=lambda: False, on_join=None) -> StreamingResponse:
+                    closing=lambda: False, heartbeat_s: float = HEARTBEAT_S, on_join=None) -> EventSourceResponse:
     """The `GET /v1/events` answer; ValueError when `Last-Event-ID` is not an event seq. `on_join()` is
     called when the stream joins live or after a gap (the client holds no exact state: the engine
-    should publish a snapshot)."""
+    should publish a snapshot).
+
+    sse-starlette sends a `: keep-alive` comment every `heartbeat_s` (clients detect dead peers)
+    and ends the stream when the client goes away or uvicorn shuts down."""
     if last_event_id is not None and not last_event_id.strip().isdigit():
         raise ValueError(f"Last-Event-ID must be an event seq (an integer), got {last_event_id!r}")
     start, notice = resolve_start(ring, last_event_id.strip() if last_event_id else None, from_step)
     if on_join is not None and (notice is not None or start == ring.next_seq):
         on_join()
-    return StreamingResponse(event_stream(ring, start, hello, notice, closing=closing),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+    return EventSourceResponse(event_stream(ring, start, hello, notice, closing=closing), headers=SSE_HEADERS,
+                               sep=SSE_SEP, ping=heartbeat_s,
+                               ping_message_factory=lambda: ServerSentEvent(comment="keep-alive", sep=SSE_SEP))
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,

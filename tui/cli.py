@@ -223,10 +223,21 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_top(args) -> int:
-    from batchtop.tui.app import BatchtopApp
-    from batchtop.tui.remote_source import RemoteSource
-    BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
-                refresh_s=args.refresh).run()
+    from batchtop.tui.metrics_source import MetricsSource, NotAServer, detect
+    try:
+        kind = detect(args.url, args.api_key)
+    except NotAServer as error:
+        print(f"batchtop: {error}", file=sys.stderr)
+        return 2
+    if kind == "events":
+        from batchtop.tui.app import BatchtopApp
+        from batchtop.tui.remote_source import RemoteSource
+        BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
+                    refresh_s=args.refresh).run()
+        return 0
+    from batchtop.tui.metrics_app import MetricsApp
+    source = MetricsSource(args.url, kind, args.api_key, period_s=args.period).start()
+    MetricsApp(source, engine=args.engine).run()
     return 0
 
 
@@ -252,17 +263,28 @@ def _add_server_commands(sub) -> None:
     bench.set_defaults(func=cmd_bench)
 
     sweep = sub.add_parser("sweep", conflict_handler="resolve",
-                           help="the same trace at several max_num_seqs on the embedded engine")
+                           help="the same trace at several max_num_seqs: the embedded engine, or a server "
+                                "started per value (--launch)")
     add_bench_flags(sweep)
     add_engine_flags(sweep)
     sweep.add_argument("--max-num-seqs", dest="values", default="1,4,16,64,256",
                        help="comma-separated max_num_seqs values (default 1,4,16,64,256)")
     sweep.add_argument("--no-color", action="store_true", help="plain plot (for files)")
+    sweep.add_argument("--launch", default=None, metavar="COMMAND",
+                       help="a server command with {max_num_seqs} (and optionally {port}, from --base-url, default "
+                            "http://127.0.0.1:8000): started, benchmarked and stopped for each value")
+    sweep.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="with --launch: how long a server may take to answer /health")
     sweep.set_defaults(func=cmd_sweep, max_num_seqs=1)
 
-    top = sub.add_parser("top", help="the dashboard over a running `batchtop serve`")
+    top = sub.add_parser("top", help="the dashboard over a running server: batchtop serve, batchtop's "
+                                     "scheduler in vLLM, or any vLLM / SGLang through /metrics")
     top.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     top.add_argument("--api-key", default=os.environ.get("BATCHTOP_API_KEY"))
+    top.add_argument("--period", type=float, default=1.0, metavar="SECONDS",
+                     help="over /metrics: scrape every SECONDS (default 1)")
+    top.add_argument("--engine", default=None,
+                     help="over /metrics: the engine to show first, e.g. engine=1 (e cycles; default the first)")
     _add_refresh_flag(top)
     top.set_defaults(func=cmd_top)
 

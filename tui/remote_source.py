@@ -1,7 +1,7 @@
 """The dashboard over HTTP: a `Source` that follows a `batchtop serve` server.
 
 A background thread reads the server's event stream (`GET /v1/events`, server-sent events)
-with httpx. Each event's SSE id is its sequence number on the server; after a lost
+with httpx and httpx-sse. Each event's SSE id is its sequence number on the server; after a lost
 connection the thread reconnects with exponential backoff and sends `Last-Event-ID`, so
 the stream resumes exactly after the last event seen. If the server's history no longer
 reaches back that far, the server says so (`event: gap`) and this source hands the
@@ -12,11 +12,11 @@ Commands go to the control endpoints and return the server's error message, or N
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import httpx
+from httpx_sse import connect_sse
 
 from batchtop.telemetry.events import EnginePaused, EngineResumed, EventsDropped, KnobChanged
 from batchtop.telemetry.recorder import decode_event
@@ -134,36 +134,24 @@ class RemoteSource(Source):
         elif self.from_step is not None:
             params["from_step"] = self.from_step
         greeted = False
-        with client.stream("GET", "/v1/events", headers=headers, params=params) as response:
+        with connect_sse(client, "GET", "/v1/events", headers=headers, params=params) as source:
+            response = source.response
             if response.status_code != 200:
                 response.read()
                 self.last_error = f"HTTP {response.status_code}: {_message(response)}"
                 return False
             self._response = response
-            kind, event_id, data = None, None, []
-            for line in response.iter_lines():
+            for message in source.iter_sse():
                 if self._stop.is_set():
                     return greeted
-                if line:
-                    field, _, value = line.partition(":")
-                    value = value[1:] if value.startswith(" ") else value
-                    if field == "event":
-                        kind = value
-                    elif field == "id":
-                        event_id = value
-                    elif field == "data":
-                        data.append(value)
-                    continue
-                if data:
-                    if kind == "hello":
-                        greeted = True
-                        if not self._hello(json.loads("\n".join(data))):
-                            return True            # a new server: reconnect from its start
-                    elif kind == "gap":
-                        self._gap(json.loads("\n".join(data)))
-                    elif kind is None:
-                        self._event("\n".join(data), event_id)
-                kind, event_id, data = None, None, []
+                if message.event == "hello":
+                    greeted = True
+                    if not self._hello(message.json()):
+                        return True            # a new server: reconnect from its start
+                elif message.event == "gap":
+                    self._gap(message.json())
+                elif message.event == "message":
+                    self._event(message.data, message.id or None)
         self.last_error = "the server closed the stream"
         return greeted
 

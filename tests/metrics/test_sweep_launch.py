@@ -1,0 +1,57 @@
+"""`batchtop sweep --launch`: a server started, measured and stopped per max_num_seqs value."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+from batchtop.tui.cli import main
+from metrics_helpers import skip_without_vllm, stock_vllm_options
+
+SWEEP_PORT = 8220
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_server_that_does_not_start_is_reported_and_the_sweep_goes_on(tmp_path, capsys):
+    command = "sh -c " + shlex.quote("echo 'no server for {max_num_seqs} seqs' >&2; sleep 0.2; exit 3")
+    out = tmp_path / "sweep.json"
+    rc = main(["sweep", "--launch", command, "--max-num-seqs", "1,2", "--base-url", "http://127.0.0.1:8299",
+               "--num-prompts", "2", "--save-result", str(out), "--no-color"])
+    assert rc == 1
+    printed = capsys.readouterr().out
+    points = json.loads(out.read_text())
+    assert [p["max_num_seqs"] for p in points] == [1, 2]
+    for p in points:
+        assert "exited with status 3" in p["error"] and f"no server for {p['max_num_seqs']} seqs" in p["log_tail"]
+        assert not p["left_running"] and group_gone(p["server_pgid"])
+        assert f"no server for {p['max_num_seqs']} seqs" in printed
+
+
+def test_sweep_over_a_real_vllm_measures_both_points_and_leaves_nothing(tmp_path, capsys):
+    skip_without_vllm()
+    from batchtop.engine.vllm.launch import shell_line
+    line = shell_line(stock_vllm_options(SWEEP_PORT, max_num_seqs=8))
+    template = line.replace("--max-num-seqs 8", "--max-num-seqs {max_num_seqs}").replace(
+        f"--port {SWEEP_PORT}", "--port {port}")
+    out = tmp_path / "sweep.json"
+    rc = main(["sweep", "--launch", template, "--max-num-seqs", "1,4", "--base-url", f"http://127.0.0.1:{SWEEP_PORT}",
+               "--num-prompts", "4", "--random-input-len", "64", "--random-output-len", "8",
+               "--startup-timeout", "300", "--save-result", str(out), "--no-color"])
+    printed = capsys.readouterr().out
+    points = json.loads(out.read_text())
+    assert rc == 0, printed
+    assert [p["max_num_seqs"] for p in points] == [1, 4]
+    for p in points:
+        assert p["completed"] == 4 and p["output_throughput"] > 0
+        assert p["preemptions"] is not None and p["steps"] > 0
+        assert not p["left_running"] and group_gone(p["server_pgid"])
+    # one row at a time takes a step per output token: more steps than four rows at a time
+    assert points[0]["steps"] > points[1]["steps"]
+    assert "preempt" in printed and "max_num_seqs" in printed
