@@ -1,15 +1,11 @@
 """One tiny-model engine for the whole session, served over real HTTP on free ports."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from batchtop.engine.config import EngineConfig
 
-NUM_KV_BLOCKS = 64
-MAX_MODEL_LEN = 256
-API_KEY = "test-key-123"
+from server_helpers import API_KEY, MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 
 @pytest.fixture(scope="session")
@@ -46,15 +42,3 @@ def keyed(served):
 
 def _bus_of(server):
     return server.subscription._bus
-
-
-def wait_idle(server, timeout: float = 20.0) -> None:
-    """Until the engine has nothing to do and every KV block is back in the pool."""
-    engine = server.engine
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not engine.has_unfinished() and engine.kv.num_used_blocks == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"engine not idle: unfinished={engine.has_unfinished()} "
-                         f"used blocks={engine.kv.num_used_blocks}")

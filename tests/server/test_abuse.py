@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from batchtop.engine.abuse import run_cases
-from conftest import API_KEY, wait_idle
+from server_helpers import API_KEY, wait_idle
 
 FLOOD = 2000
 

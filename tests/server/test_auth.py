@@ -8,7 +8,7 @@ import pytest
 from batchtop.engine.server import ServerThread
 from batchtop.telemetry.stream import check_bind, is_loopback
 from batchtop.tui.cli import main
-from conftest import API_KEY
+from server_helpers import API_KEY
 
 ENDPOINTS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/knobs"),
              ("POST", "/v1/knobs"), ("POST", "/v1/pause"), ("POST", "/v1/resume"), ("POST", "/v1/step"),

@@ -7,7 +7,7 @@ import math
 import httpx
 
 from batchtop.engine import bench_serving as bs
-from conftest import wait_idle
+from server_helpers import wait_idle
 
 
 def metric(text: str, name: str) -> float:

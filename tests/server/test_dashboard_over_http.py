@@ -7,7 +7,7 @@ import httpx
 
 from batchtop.engine.server import BatchtopServer, ServerThread
 from batchtop.tui.remote_source import RemoteSource
-from conftest import wait_idle
+from server_helpers import wait_idle
 
 
 def test_dashboard_follows_server_and_pauses_it(served):

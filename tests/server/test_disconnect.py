@@ -5,7 +5,7 @@ import time
 
 import httpx
 
-from conftest import NUM_KV_BLOCKS, wait_idle
+from server_helpers import NUM_KV_BLOCKS, wait_idle
 
 
 def read_chunks(response, n: int) -> int:

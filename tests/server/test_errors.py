@@ -4,7 +4,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import MAX_MODEL_LEN
+from server_helpers import MAX_MODEL_LEN
 
 
 @pytest.fixture(scope="module")

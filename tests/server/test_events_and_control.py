@@ -11,7 +11,7 @@ import pytest
 from batchtop.engine.server import BatchtopServer, ServerThread
 from batchtop.telemetry.events import EventsDropped, KnobChanged, StepFinished
 from batchtop.tui.remote_source import RemoteSource
-from conftest import wait_idle
+from server_helpers import wait_idle
 
 
 def read_sse(url: str, *, headers=None, params=None, until=None, timeout: float = 20.0) -> list[dict]:
