@@ -160,6 +160,7 @@ class EngineLoop:
                 self._at(base + step, lambda n=name, v=value: engine.set_knob(n, v, source))
             engine.note_knob("scenario", self.scenario, scenario.name, source)
             self.scenario = scenario.name
+            self._run_scheduled()                 # what is due at once
         self._commands.put(apply)
 
     def _at(self, step: int, fn: Callable[[], None]) -> None:
