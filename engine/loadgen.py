@@ -70,6 +70,11 @@ class PoissonLoad:
         self.rate = float(rate)
         self._next_s = self._last_s + self._gap()
 
+    def start_at(self, elapsed_s: float) -> None:
+        """Take over a running clock: the first arrival comes a gap after `elapsed_s`, not after 0."""
+        self._last_s = elapsed_s
+        self._next_s = elapsed_s + self._gap()
+
     def _gap(self) -> float:
         return self.rng.expovariate(self.rate) if self.rate > 0 else math.inf
 

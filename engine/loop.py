@@ -8,6 +8,8 @@ that must not block.
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import queue
 import random
 import threading
@@ -34,6 +36,9 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
         self.error: BaseException | None = None
+        self._scheduled: list[tuple[int, int, Callable[[], None]]] = []   # (step, seq, fn): run after that step
+        self._seq = itertools.count()
+        self.scenario: str | None = None
 
     # -- life --------------------------------------------------------------------------
 
@@ -132,6 +137,48 @@ class EngineLoop:
             self._steps_allowed += 1
         self._commands.put(grant)
 
+    def start_scenario(self, scenario, source: str = "tui") -> None:
+        """From the next step: the scenario's knobs that can change live, its load, and its scripted requests
+        and knob phases, their steps counted from now (engine/scenarios.py). Settings fixed at start (the KV
+        pool, the layout) stay as they are; `batchtop --scenario NAME` sets them."""
+        def apply():
+            engine = self.engine
+            knobs = engine.knobs()
+            for name, value in scenario.config.items():
+                if name in knobs and knobs[name] != value:
+                    engine.set_knob(name, value, source)
+            load, old = scenario.load(self._load_rng.randrange(1 << 30)), self.load
+            load.start_at(time.monotonic() - self._started_at)
+            self.load = load
+            if old is not None and getattr(old, "rate", None) != load.rate:
+                engine.note_knob("load_rate", getattr(old, "rate", None), load.rate, source)
+            self._scheduled.clear()
+            base = engine.step_count
+            for step, prompt_tokens, output_tokens in scenario.script:
+                self._at(base + step, lambda p=prompt_tokens, o=output_tokens: self._add_scripted(p, o))
+            for step, name, value in scenario.phases:
+                self._at(base + step, lambda n=name, v=value: engine.set_knob(n, v, source))
+            engine.note_knob("scenario", self.scenario, scenario.name, source)
+            self.scenario = scenario.name
+            self._run_scheduled()                 # what is due at once
+        self._commands.put(apply)
+
+    def _at(self, step: int, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._scheduled, (step, next(self._seq), fn))
+
+    def _run_scheduled(self) -> None:
+        scheduled, done = self._scheduled, self.engine.step_count
+        while scheduled and scheduled[0][0] <= done:
+            _, _, fn = heapq.heappop(scheduled)
+            try:
+                fn()
+            except ValueError as error:
+                self.engine.refuse("scenario", str(error))
+
+    def _add_scripted(self, prompt_tokens: int, output_tokens: int) -> None:
+        self.engine.add_request(synthetic_prompt(prompt_tokens, self._load_rng),
+                                SamplingParams(max_tokens=output_tokens, ignore_eos=True))
+
     def request_snapshot(self, cause: str = "request") -> None:
         """Have the engine publish an EngineSnapshot before its next step (a consumer joined or lost events)."""
         self._commands.put(lambda: self.engine.emit_snapshot(cause))
@@ -186,6 +233,8 @@ class EngineLoop:
                 self._apply_commands(0 if can_step else self._idle_wait())
                 if self._stopping:
                     break
+                if self._scheduled:
+                    self._run_scheduled()         # a scenario's requests and knob phases that are due
                 if not self.engine.has_unfinished() or (self._paused and self._steps_allowed == 0):
                     continue
                 if self._paused:

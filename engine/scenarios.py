@@ -144,17 +144,20 @@ def report(name: str, events: list[ev.Event]) -> str:
             text += f"; preemptions before step {cut}: {early}, after: {len(preempted) - early}"
         return text
     if name == "long-prefill":
+        def median(xs):
+            xs = sorted(xs)
+            return xs[len(xs) // 2] * 1e3 if xs else float("nan")
+
         def stall(part):
+            decode_only = [duration(e) for e in part if planned[e.step].num_decode_rows
+                           and not planned[e.step].prefill_tokens]
             mixed = [e for e in part if planned[e.step].num_decode_rows and planned[e.step].prefill_tokens]
-            worst = max(mixed, key=lambda e: planned[e.step].prefill_tokens, default=None)
-            decode = sorted(duration(e) for e in part if not planned[e.step].prefill_tokens
-                            and planned[e.step].num_decode_rows)
-            median = decode[len(decode) // 2] if decode else 0.0
-            if worst is None:
-                return "no mixed step"
-            return (f"worst mixed step {planned[worst.step].prefill_tokens} prompt tokens + "
-                    f"{planned[worst.step].num_decode_rows} decode rows took {duration(worst) * 1e3:.1f} ms "
-                    f"(decode-only median {median * 1e3:.1f} ms)")
+            if not mixed:
+                return "no step with prompt tokens and decode rows"
+            most = max(planned[e.step].prefill_tokens for e in mixed)
+            biggest = [duration(e) for e in mixed if planned[e.step].prefill_tokens == most]
+            return (f"{len(biggest)} step(s) of {most} prompt tokens + decode rows took {median(biggest):.1f} ms "
+                    f"(median), decode-only steps {median(decode_only):.1f} ms")
         before, after = [e for e in steps if e.step < cut], [e for e in steps if e.step >= cut]
         return f"threshold off: {stall(before)}; threshold 64: {stall(after)}"
     if name == "alternating":

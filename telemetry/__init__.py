@@ -7,6 +7,7 @@ from .events import SCHEMA_VERSION, Event, event_from_dict
 from .export import summary_text, to_chrome_trace, to_csv
 from .metrics import Metrics, MetricsSummary, percentile, summarize
 from .rates import WindowedRates
+from .state import BatchState, RequestState
 from .recorder import (
     LogFormatError, LogReader, Recorder, decode_event, encode_event, iter_log, read_log,
 )
@@ -15,6 +16,6 @@ __all__ = [
     "SCHEMA_VERSION", "Event", "event_from_dict",
     "EventBus", "EventLog", "Subscription",
     "Recorder", "LogReader", "LogFormatError", "read_log", "iter_log", "encode_event", "decode_event",
-    "Metrics", "MetricsSummary", "WindowedRates", "percentile", "summarize",
+    "Metrics", "MetricsSummary", "WindowedRates", "percentile", "summarize", "BatchState", "RequestState",
     "to_chrome_trace", "to_csv", "summary_text",
 ]

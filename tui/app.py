@@ -83,6 +83,7 @@ class BatchtopApp(App):
         Binding("right_square_bracket", "knob_step('load_rate', True)", "load rate ×1.5", show=False,
                 key_display="]"),
         Binding("d", "cycle_knob('length_dist')", "cycle length distribution", show=False),
+        Binding("z", "next_scenario", "next scenario of the reference text (docs/scenarios.md)", show=False),
         Binding("a", "abort", "abort"),
         Binding("r", "record", "rec"),
         Binding("1", "view('requests')", "requests view", show=False),
@@ -107,7 +108,8 @@ class BatchtopApp(App):
 
     def __init__(self, source: Source | None = None, *, source_factory: Callable[[], Source] | None = None,
                  loading_what: str = "engine", tick_s: float | None = 0.1, clock: Callable[[], float] | None = None,
-                 plot_every: int = 10, record_path: str | None = None, refresh_s: float = 0.0):
+                 plot_every: int = 10, record_path: str | None = None, refresh_s: float = 0.0,
+                 message: str = ""):
         super().__init__()
         self.source: Source = source or LoadingSource(loading_what)
         self._source_factory = source_factory
@@ -120,7 +122,7 @@ class BatchtopApp(App):
         self.model = self._new_model()
         self.view = "requests"
         self.plot_window = PLOT_WINDOWS_S[1]
-        self.status_message = ""
+        self.status_message = message          # the status line's first words (a scenario's watch line)
         self._seen_model_message = ""
         self._ticks = 0
         self._shown_status: str | None = None
@@ -375,6 +377,13 @@ class BatchtopApp(App):
         else:
             new = current * 2 if up else max(1, current // 2)
         self.set_knob(name, new)
+
+    def action_next_scenario(self) -> None:
+        from batchtop.engine.scenarios import SCENARIOS
+        names = list(SCENARIOS)
+        current = self.model.knobs.get("scenario")
+        name = names[(names.index(current) + 1) % len(names)] if current in names else names[0]
+        self.say(self.source.start_scenario(name), error=self.source.read_only)
 
     def action_cycle_knob(self, name: str) -> None:
         choices = BATCHING_MODES if name == "batching_mode" else LENGTH_DISTS

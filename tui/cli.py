@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -329,6 +330,10 @@ def add_dashboard_commands(sub) -> None:
     load.add_argument("--output-mean", type=float, default=64.0)
     load.add_argument("--seed", type=int, default=0)
     dash.add_argument("--record", metavar="LOG", help="record every event to this JSONL log from the start")
+    from batchtop.engine.scenarios import SCENARIOS
+    dash.add_argument("--scenario", choices=list(SCENARIOS),
+                      help="set the load and knobs that make one phenomenon of the reference text happen "
+                           "(docs/scenarios.md); z cycles them in the dashboard")
     _add_refresh_flag(dash)
     dash.set_defaults(func=cmd_dashboard)
     replay = sub.add_parser("replay", help="the dashboard over a recorded event log")
@@ -372,12 +377,21 @@ def cmd_dashboard(args) -> int:
     from batchtop.tui.app import BatchtopApp
     from batchtop.tui.sources import EngineSource
     config = engine_config(args)
+    message = ""
+    if args.scenario:
+        from batchtop.engine.scenarios import SCENARIOS
+        scenario = SCENARIOS[args.scenario]
+        config = dataclasses.replace(config, **scenario.config)
+        message = f"scenario {scenario.name}: {scenario.watch}"
 
     def build():
-        return EngineSource.create(config, load_rate=args.rate, length_dist=args.length_dist,
-                                   prompt_mean=args.prompt_mean, output_mean=args.output_mean, seed=args.seed)
+        source = EngineSource.create(config, load_rate=args.rate, length_dist=args.length_dist,
+                                     prompt_mean=args.prompt_mean, output_mean=args.output_mean, seed=args.seed)
+        if args.scenario:
+            source.start_scenario(args.scenario, "cli")
+        return source
     BatchtopApp(source_factory=build, loading_what=f"model {args.model}", record_path=args.record,
-                refresh_s=args.refresh).run()
+                refresh_s=args.refresh, message=message).run()
     return 0
 
 

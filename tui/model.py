@@ -20,6 +20,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from batchtop.engine.admission import NEXT_STEP, WaitClock
+from batchtop.engine.scenarios import SCENARIOS
 from batchtop.telemetry.events import (
     AdmissionBlocked, BatchRebuilt, BlocksAllocated, CommandRefused, EnginePaused, EngineResumed, EngineSnapshot,
     Event, EventsDropped, FirstToken, PaddingReleased,
@@ -404,7 +405,11 @@ class DashboardModel:
     def _on_knob(self, e: KnobChanged) -> None:
         self.knobs[e.name] = e.new
         self.knob_marks.append(KnobMark(e.t, e.step, e.name, e.old, e.new, e.source))
-        self.message = f"{e.name}: {e.old} → {e.new} ({e.source})"
+        scenario = SCENARIOS.get(e.new) if e.name == "scenario" else None
+        if scenario is not None:
+            self.message = f"scenario {scenario.name}: {scenario.watch}"
+        else:
+            self.message = f"{e.name}: {e.old} → {e.new} ({e.source})"
 
     def _on_refused(self, e: CommandRefused) -> None:
         self.message = f"refused {e.command}: {e.message}"

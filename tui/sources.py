@@ -70,6 +70,9 @@ class Source:
     def set_knob(self, name: str, value) -> str | None:
         return READ_ONLY
 
+    def start_scenario(self, name: str, source: str = "tui") -> str:
+        return READ_ONLY
+
     def abort(self, request_id: str) -> str | None:
         return READ_ONLY
 
@@ -358,6 +361,17 @@ class EngineSource(Source):
 
     def _set_load_knob(self, name: str, value) -> str | None:
         return self.loop.set_load_knob(name, value, "tui")
+
+    def start_scenario(self, name: str, source: str = "tui") -> str:
+        """Switch to scenario `name` live; what to watch, and what only a restart with it would change."""
+        from batchtop.engine.scenarios import SCENARIOS
+        scenario = SCENARIOS[name]
+        self.loop.start_scenario(scenario, source)
+        fixed = {k: v for k, v in scenario.config.items() if k not in self.engine.knobs()
+                 and getattr(self.engine.config, k, v) != v}
+        note = ("; needs `batchtop --scenario " + name + "` for " + ", ".join(f"{k}={v}" for k, v in fixed.items())
+                if fixed else "")
+        return f"scenario {name}: {scenario.watch}{note}"
 
     def abort(self, request_id: str) -> str | None:
         self.loop.abort(request_id)

@@ -127,3 +127,27 @@ async def test_record_from_the_dashboard_then_replay_it(source, tmp_path):
         replay.tick()
         assert len(replay.model.retired) == 2 and not replay.model.live
 
+
+
+async def test_z_cycles_the_scenarios_on_the_live_engine(source):
+    app = BatchtopApp(source, tick_s=None)
+    async with app.run_test(size=(120, 40)) as pilot:
+        source.start()
+        await pilot.press("z")                               # the first: static-vs-continuous
+        assert "static-vs-continuous" in status(app)
+        barrier(source)
+        knobs = source.engine.knobs()
+        assert (knobs["batching_mode"], knobs["max_num_seqs"]) == ("static", 8)
+        app.tick()                                           # the model learns the scenario from its event
+        await pilot.press("z")                               # kv-exhaustion: its 40-block pool needs a restart
+        assert "needs `batchtop --scenario kv-exhaustion` for num_kv_blocks=40" in status(app)
+        barrier(source)
+        app.tick()
+        await pilot.press("z")                               # long-prefill: eight scripted requests at once
+        barrier(source)
+        app.tick()
+        scripted = [r for r in app.model.requests() if (r.num_prompt_tokens, r.max_tokens) == (16, 400)]
+        assert len(scripted) >= 8                           # its eight decode rows arrived (they may be done)
+        assert source.loop.call(lambda: source.engine.knobs()["max_num_batched_tokens"]) == 2048
+        app.tick()
+        assert app.model.knobs["scenario"] == "long-prefill"
