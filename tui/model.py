@@ -259,8 +259,12 @@ class DashboardModel:
         for request_id in e.sampled_request_ids:
             req = live.get(request_id)
             if req is None:
-                if request_id in self.retired:
-                    continue                          # it sampled its last token and retired this step
+                done = self.retired.get(request_id)
+                if done is not None:                  # it sampled its last token and retired this step
+                    if done.last_chunk_step != step and done.last_sample_step != step:
+                        done.num_computed_tokens += 1     # that last step was a decode row
+                        done.last_sample_step = step
+                    continue
                 req = self._request(request_id)
             if req.last_chunk_step != step:
                 req.num_computed_tokens += 1          # a decode row computed its last token

@@ -9,8 +9,8 @@ from batchtop.engine.loop import EngineLoop
 from batchtop.engine.sampling import SamplingParams
 from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.events import (
-    EngineSnapshot, EventsDropped, KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestRetired,
-    RowMoved, StepFinished, StepPlanned,
+    EngineSnapshot, EventsDropped, KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted,
+    RequestRetired, RequestRetracted, RowMoved, StepFinished, StepPlanned,
 )
 from batchtop.telemetry.recorder import read_log
 from batchtop.telemetry.state import BatchState
@@ -36,6 +36,18 @@ def test_fixture_folds_to_a_drained_engine():
     assert all(slot is None for slot in model.slots)
     assert model.knobs["max_num_seqs"] == 4 and len(model.knob_marks) == 1
     assert model.history and model.kv_used == 0
+
+
+def test_a_finished_request_counts_every_token_it_computed():
+    """Computed tokens are state (a preemption sets them to 0): at the end every known token but the
+    last sampled one, preempted or not. The last decode row comes in the step the request retires in
+    (RequestRetired before that step's StepFinished)."""
+    _, events = read_log(FIXTURE_LOG)
+    preempted = {e.request_id for e in events if isinstance(e, (RequestPreempted, RequestRetracted))}
+    done = [r for r in fold(events).retired.values() if r.state == "length"]
+    assert done and preempted & {r.request_id for r in done}
+    for r in done:
+        assert r.num_computed_tokens == r.num_prompt_tokens + r.num_output_tokens - 1, r.request_id
 
 
 def test_running_requests_match_the_slots_at_every_step():
