@@ -114,7 +114,6 @@ class StepObserver:
         cached = output.scheduled_cached_reqs
         scheduled_ids = output.num_scheduled_tokens
         to_add = [r.req_id for r in output.scheduled_new_reqs] + list(cached.req_ids)
-        old_slots = dict(self.mirror.slot_of)
         update = self.mirror.update(output.finished_req_ids, scheduled_ids.keys(), cached.resumed_req_ids, to_add,
                                     lambda request_id: requests[request_id].num_tokens)
         plan = self._preempted
@@ -128,7 +127,7 @@ class StepObserver:
                 plan.append((ev.RequestAdmitted, dict(request_id=request_id, slot=admitted[request_id],
                                                       num_computed_tokens=computed, resumed=True)))
             elif request_id in admitted:     # running, left out of an earlier step: its row was rebuilt
-                plan.append((ev.RowMoved, dict(request_id=request_id, from_slot=old_slots.get(request_id, -1),
+                plan.append((ev.RowMoved, dict(request_id=request_id, from_slot=update.left.get(request_id, -1),
                                                to_slot=admitted[request_id],
                                                num_bytes=requests[request_id].num_tokens * TOKEN_ID_BYTES)))
         for request_id in scheduled_ids:

@@ -33,6 +33,7 @@ class RowMove:
 @dataclass
 class BatchUpdate:
     added: list[tuple[str, int]] = field(default_factory=list)     # (request id, slot)
+    left: dict[str, int] = field(default_factory=dict)              # request id -> the slot it left
     moves: list[RowMove] = field(default_factory=list)
     num_removed: int = 0
     num_kept: int = 0
@@ -54,9 +55,10 @@ class InputBatchMirror:
         out = BatchUpdate()
         leaving = [r for r in finished if r in self.slot_of]
         leaving += [r for r in self.slot_of if r not in finished and (r not in scheduled or r in resumed)]
-        empty = sorted(self.slot_of[r] for r in set(leaving))
         for request_id in set(leaving):
-            del self._rows[self.slot_of.pop(request_id)]
+            out.left[request_id] = slot = self.slot_of.pop(request_id)
+            del self._rows[slot]
+        empty = sorted(out.left.values())
         out.num_removed = len(empty)
         out.num_kept = len(self.slot_of)
         for request_id in to_add:
