@@ -33,23 +33,23 @@ test: setup
 
 # Long reliability runs (docs/reliability.md); `make test` runs bounded versions of each.
 soak: setup
-	$(PY) -m batchtop.engine.soak --requests 10000
+	$(PY) -m batchtop.engine.reliability.soak --requests 10000
 
 soak-server: setup
-	$(PY) -m batchtop.engine.soak_server --requests 10000
+	$(PY) -m batchtop.engine.reliability.soak_server --requests 10000
 
 abuse: setup
-	$(PY) -m batchtop.engine.abuse --flood 2000
+	$(PY) -m batchtop.engine.reliability.abuse --flood 2000
 
 # Benchmarks are not tests: each writes its figures to docs/benchmarks.md (run on a quiet machine).
 bench-engine: setup
-	$(PY) -m batchtop.engine.bench_engine
+	$(PY) -m batchtop.engine.bench.engine
 
 bench-telemetry: setup
 	$(PY) -m batchtop.telemetry.bench
 
 bench-kernels: setup
-	$(PY) -m batchtop.kernels.bench_gpu
+	$(PY) -m batchtop.kernels.bench
 
 clean:
 	rm -rf $(VENV)

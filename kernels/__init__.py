@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from . import attention_torch
+from batchtop.kernels import attention_torch
 from .attention_torch import AttentionMetadata
 from .shapes import check_metadata_inputs
 
@@ -116,6 +116,6 @@ def _check_name(name: str, where: str) -> str:
 def _impl(device: torch.device) -> ModuleType:
     if resolve_backend(device) == "torch":
         return attention_torch
-    from . import attention_triton  # deferred: triton reads TRITON_INTERPRET when kernels are defined
+    from batchtop.kernels import attention_triton  # deferred: triton reads TRITON_INTERPRET when kernels are defined
 
     return attention_triton

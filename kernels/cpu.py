@@ -19,7 +19,7 @@
   speed (32 to 2048 rows, docs/kernels.md).
 - `add_rms_norm`, `rope_and_cache`, `silu_mul`: a Llama layer's elementwise steps, one call each
   instead of transformers' several small ops each, which at a decode step's few rows cost more
-  than the arithmetic (engine/forward.py).
+  than the arithmetic (engine/model/forward.py).
 - `argmax_rows`: the greedy sampler's argmax; torch's walks a row one value at a time.
 
 The build runs the machine's C++ compiler through torch.utils.cpp_extension (about a minute),

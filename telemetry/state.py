@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import events as ev
+from batchtop.telemetry import events as ev
 
 
 @dataclass(slots=True)

@@ -379,7 +379,7 @@ class BatchtopApp(App):
         self.set_knob(name, new)
 
     def action_next_scenario(self) -> None:
-        from batchtop.engine.scenarios import SCENARIOS
+        from batchtop.engine.workload.scenarios import SCENARIOS
         names = list(SCENARIOS)
         current = self.model.knobs.get("scenario")
         name = names[(names.index(current) + 1) % len(names)] if current in names else names[0]

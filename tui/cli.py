@@ -47,7 +47,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args):
-    from batchtop.engine.config import EngineConfig
+    from batchtop.engine.core.config import EngineConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -61,8 +61,8 @@ def engine_config(args):
 
 
 def cmd_generate(args) -> int:
-    from batchtop.engine.engine import Engine
-    from batchtop.engine.sampling import SamplingParams
+    from batchtop.engine.core.engine import Engine
+    from batchtop.engine.core.sampling import SamplingParams
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     engine = Engine(engine_config(args))
@@ -146,7 +146,7 @@ def _add_record_commands(sub) -> None:
 
 
 def _load_from_args(args):
-    from batchtop.engine.loadgen import LengthDist, PoissonLoad, TraceLoad
+    from batchtop.engine.workload.arrivals import LengthDist, PoissonLoad, TraceLoad
     if args.trace:
         return TraceLoad.from_file(args.trace)
     dists = [LengthDist(getattr(args, f"{w}_dist"), getattr(args, f"{w}_mean"), getattr(args, f"{w}_low"),
@@ -155,8 +155,8 @@ def _load_from_args(args):
 
 
 def cmd_record(args) -> int:
-    from batchtop.engine.engine import Engine
-    from batchtop.engine.loop import EngineLoop
+    from batchtop.engine.core.engine import Engine
+    from batchtop.engine.core.loop import EngineLoop
     from batchtop.telemetry.bus import EventBus
     from batchtop.telemetry.recorder import Recorder
     if args.duration is None and not args.trace:
@@ -203,7 +203,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from batchtop.engine.server import build_server, serve
+    from batchtop.engine.server.app import build_server, serve
     from batchtop.telemetry.stream import check_bind
     check_bind(args.host, args.api_key)          # before the model load: fail fast
     server = build_server(engine_config(args), api_key=args.api_key, model_name=args.served_model_name,
@@ -214,29 +214,29 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from batchtop.engine.bench_serving import run_bench
+    from batchtop.engine.bench.serving import run_bench
     return run_bench(args, engine_config(args))
 
 
 def cmd_sweep(args) -> int:
-    from batchtop.engine.bench_serving import run_sweep
+    from batchtop.engine.bench.serving import run_sweep
     return run_sweep(args, engine_config(args))
 
 
 def cmd_top(args) -> int:
-    from batchtop.tui.metrics_source import MetricsSource, NotAServer, detect
+    from batchtop.tui.metrics.source import MetricsSource, NotAServer, detect
     try:
         kind = detect(args.url, args.api_key)
     except NotAServer as error:
         print(f"batchtop: {error}", file=sys.stderr)
         return 2
     if kind == "events":
-        from batchtop.tui.app import BatchtopApp
-        from batchtop.tui.remote_source import RemoteSource
+        from .app import BatchtopApp
+        from .remote_source import RemoteSource
         BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
                     refresh_s=args.refresh).run()
         return 0
-    from batchtop.tui.metrics_app import MetricsApp
+    from batchtop.tui.metrics.app import MetricsApp
     source = MetricsSource(args.url, kind, args.api_key, period_s=args.period).start()
     MetricsApp(source, engine=args.engine).run()
     return 0
@@ -244,7 +244,7 @@ def cmd_top(args) -> int:
 
 def _add_server_commands(sub) -> None:
     import os
-    from batchtop.engine.bench_serving import add_bench_flags
+    from batchtop.engine.bench.serving import add_bench_flags
     serve = sub.add_parser("serve", help="OpenAI-compatible server with telemetry events and live control")
     serve.add_argument("--host", default="127.0.0.1", help="without --api-key only loopback is allowed")
     serve.add_argument("--port", type=int, default=8000)
@@ -330,7 +330,7 @@ def add_dashboard_commands(sub) -> None:
     load.add_argument("--output-mean", type=float, default=64.0)
     load.add_argument("--seed", type=int, default=0)
     dash.add_argument("--record", metavar="LOG", help="record every event to this JSONL log from the start")
-    from batchtop.engine.scenarios import SCENARIOS
+    from batchtop.engine.workload.scenarios import SCENARIOS
     dash.add_argument("--scenario", choices=list(SCENARIOS),
                       help="set the load and knobs that make one phenomenon of the reference text happen "
                            "(docs/scenarios.md); z cycles them in the dashboard")
@@ -374,12 +374,12 @@ def cmd_vllm_serve(args) -> int:
 
 
 def cmd_dashboard(args) -> int:
-    from batchtop.tui.app import BatchtopApp
-    from batchtop.tui.sources import EngineSource
+    from .app import BatchtopApp
+    from .sources import EngineSource
     config = engine_config(args)
     message = ""
     if args.scenario:
-        from batchtop.engine.scenarios import SCENARIOS
+        from batchtop.engine.workload.scenarios import SCENARIOS
         scenario = SCENARIOS[args.scenario]
         config = dataclasses.replace(config, **scenario.config)
         message = f"scenario {scenario.name}: {scenario.watch}"
@@ -396,8 +396,8 @@ def cmd_dashboard(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from batchtop.tui.app import BatchtopApp
-    from batchtop.tui.sources import ReplaySource
+    from .app import BatchtopApp
+    from .sources import ReplaySource
     try:
         source = ReplaySource.from_file(args.log, speed=args.speed, paused=args.paused)
     except OSError as error:

@@ -19,8 +19,8 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from batchtop.engine.admission import NEXT_STEP, WaitClock
-from batchtop.engine.scenarios import SCENARIOS
+from batchtop.engine.core.admission import NEXT_STEP, WaitClock
+from batchtop.engine.workload.scenarios import SCENARIOS
 from batchtop.telemetry.events import (
     AdmissionBlocked, BatchRebuilt, BlocksAllocated, CommandRefused, EnginePaused, EngineResumed, EngineSnapshot,
     Event, EventsDropped, FirstToken, PaddingReleased,

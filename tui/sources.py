@@ -307,9 +307,9 @@ class EngineSource(Source):
     def create(cls, config, *, load_rate: float = 2.0, length_dist: str = "exponential",
                prompt_mean: float = 64.0, output_mean: float = 64.0, seed: int = 0, history: int = 0):
         """Load the model, build engine, bus, load generator and loop; the loop is not started yet."""
-        from batchtop.engine.engine import Engine
-        from batchtop.engine.loadgen import LengthDist, PoissonLoad
-        from batchtop.engine.loop import EngineLoop
+        from batchtop.engine.core.engine import Engine
+        from batchtop.engine.workload.arrivals import LengthDist, PoissonLoad
+        from batchtop.engine.core.loop import EngineLoop
         from batchtop.telemetry.bus import EventBus
         bus = EventBus(history=history)
         engine = Engine(config, sink=bus.publish)
@@ -364,7 +364,7 @@ class EngineSource(Source):
 
     def start_scenario(self, name: str, source: str = "tui") -> str:
         """Switch to scenario `name` live; what to watch, and what only a restart with it would change."""
-        from batchtop.engine.scenarios import SCENARIOS
+        from batchtop.engine.workload.scenarios import SCENARIOS
         scenario = SCENARIOS[name]
         self.loop.start_scenario(scenario, source)
         fixed = {k: v for k, v in scenario.config.items() if k not in self.engine.knobs()

@@ -176,7 +176,7 @@ def serve_vllm(args) -> int:
         raise ValueError(reason)
     model = args.model
     if model == "smollm2":
-        from batchtop.engine.model import smollm2_folder
+        from batchtop.engine.model.loading import smollm2_folder
         model = str(smollm2_folder(print))
     scheduler = None if args.stock else ASYNC_SCHEDULER_CLS if args.async_scheduling else SCHEDULER_CLS
     options = VllmOptions(model=model, served_model_name=args.served_model_name, port=args.port, host=args.host,

@@ -1,10 +1,10 @@
 """Bad input is refused with a message naming the problem, and the running batch never notices."""
 import pytest
 
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.model import load_model
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.model.loading import load_model
+from batchtop.engine.core.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The benchmarks' one way to write their section of docs/benchmarks.md."""
-from batchtop.engine.bench_doc import write_section
+from batchtop.engine.bench.figures import write_section
 
 
 def test_a_section_is_replaced_in_place_or_appended_and_the_others_stay(tmp_path):

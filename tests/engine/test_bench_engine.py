@@ -1,7 +1,7 @@
 """The engine benchmark's arithmetic: its floors and the table of where the time goes."""
 import pytest
 
-from batchtop.engine.bench_engine import breakdown_table, roofline_floor
+from batchtop.engine.bench.engine import breakdown_table, roofline_floor
 
 
 def test_roofline_floor_counts_prompts_at_the_gemm_rate_and_each_decode_step_at_its_bound():
@@ -28,7 +28,7 @@ def test_breakdown_table_puts_each_step_in_its_kind_against_its_own_roofline():
 
 
 def test_graph_step_table_puts_the_modes_side_by_side():
-    from batchtop.engine.bench_engine import graph_step_table
+    from batchtop.engine.bench.engine import graph_step_table
     both = graph_step_table({"on": {1: 0.001, 64: 0.002}, "off": {1: 0.020, 64: 0.022}})
     assert both == ["| decode rows | graphs on: step ms | graphs off: step ms | off / on |", "|---:|---:|---:|---:|",
                     "| 1 | 1.00 | 20.00 | 20.0x |", "| 64 | 2.00 | 22.00 | 11.0x |"]

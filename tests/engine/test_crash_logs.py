@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.bus import EventLog
 from batchtop.telemetry.recorder import LogReader, read_log

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.graphs import GraphCapture, capture_sizes
-from batchtop.engine.model import load_model
-from batchtop.engine.runner import Runner
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.model.graphs import GraphCapture, capture_sizes
+from batchtop.engine.model.loading import load_model
+from batchtop.engine.model.runner import Runner
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry import events as ev
 
 BLOCK = 4

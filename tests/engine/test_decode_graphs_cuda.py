@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.graphs import capture_sizes
-from batchtop.engine.model import load_model
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.model.graphs import capture_sizes
+from batchtop.engine.model.loading import load_model
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.kernels import attention_triton
 from batchtop.telemetry import events as ev
 from test_decode_graphs import random_trace

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.model import load_model
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.model.loading import load_model
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.kernels import attention_triton
 from test_outputs_match_transformers import random_arrivals_match_generate
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from batchtop.engine import runner as runner_module
-from batchtop.engine.forward import FusedCpuOps, TransformersOps
-from batchtop.engine.model import load_model
-from batchtop.engine.runner import Runner
+from batchtop.engine.model import runner as runner_module
+from batchtop.engine.model.forward import FusedCpuOps, TransformersOps
+from batchtop.engine.model.loading import load_model
+from batchtop.engine.model.runner import Runner
 from batchtop.kernels import attention_torch, cpu
 
 BLOCK = 4

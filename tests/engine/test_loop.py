@@ -3,11 +3,11 @@ import threading
 
 import pytest
 
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.loop import EngineLoop
-from batchtop.engine.model import load_model
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.loop import EngineLoop
+from batchtop.engine.model.loading import load_model
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry import events as ev
 
 

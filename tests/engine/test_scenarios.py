@@ -1,8 +1,8 @@
 """Each scenario, run headless for a bounded number of steps, shows its phenomenon in the events (counts)."""
 import pytest
 
-from batchtop.engine.model import load_model
-from batchtop.engine.scenarios import SCENARIOS, run_scenario
+from batchtop.engine.model.loading import load_model
+from batchtop.engine.workload.scenarios import SCENARIOS, run_scenario
 from batchtop.telemetry import events as ev
 
 

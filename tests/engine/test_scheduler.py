@@ -3,10 +3,10 @@ import random
 
 import pytest
 
-from batchtop.engine.block_pool import KVCacheManager
-from batchtop.engine.request import Request, Status
-from batchtop.engine.sampling import SamplingParams
-from batchtop.engine.scheduler import Scheduler, SchedulerKnobs
+from batchtop.engine.core.kv_cache import KVCacheManager
+from batchtop.engine.core.request import Request, Status
+from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.core.scheduler import Scheduler, SchedulerKnobs
 
 _seq = iter(range(10**9))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchtop.engine.soak import SoakConfig, check_invariants, run_soak
+from batchtop.engine.reliability.soak import SoakConfig, check_invariants, run_soak
 
 NUM_REQUESTS = 400
 
@@ -30,7 +30,7 @@ def test_bounded_soak_holds_every_invariant(keep_torch_threads):
 
 
 def test_the_checks_see_a_leak_a_double_holder_and_a_double_queue(keep_torch_threads):
-    from batchtop.engine.soak import Soak
+    from batchtop.engine.reliability.soak import Soak
     soak = Soak(SoakConfig(num_requests=0))
     engine = soak.engine
     assert check_invariants(engine) == []

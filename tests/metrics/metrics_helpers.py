@@ -5,7 +5,7 @@ import pytest
 
 
 def stock_vllm_options(port: int, **overrides):
-    from batchtop.engine.model import smollm2_folder
+    from batchtop.engine.model.loading import smollm2_folder
     from batchtop.engine.vllm.launch import VllmOptions
     settings = dict(model=str(smollm2_folder(lambda *_: None)), port=port, scheduler_cls=None,
                     enforce_eager=True, max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=6,

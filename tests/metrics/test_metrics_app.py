@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from batchtop.tui.metrics_app import MetricsApp
-from batchtop.tui.metrics_source import MetricsSource
+from batchtop.tui.metrics.app import MetricsApp
+from batchtop.tui.metrics.source import MetricsSource
 from expositions import sglang_exposition, two_engines, vllm_fixture
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tui"))
@@ -68,7 +68,7 @@ async def test_sglang_view_shows_its_pool_in_tokens(text_server):
 def test_interval_line_carries_the_latency_percentiles():
     from batchtop.telemetry.exposition import parse_exposition
     from batchtop.telemetry.intervals import derive
-    from batchtop.tui.metrics_widgets import interval_line
+    from batchtop.tui.metrics.widgets import interval_line
     engine = "smollm2 engine=0"
     busy, drained = parse_exposition(vllm_fixture("busy"), 1.0), parse_exposition(vllm_fixture("drained"), 21.0)
     line = interval_line(derive(busy.engines[engine], drained.engines[engine], t=21.0, dt=20.0), t0=1.0).plain

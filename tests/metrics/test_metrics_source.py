@@ -7,7 +7,7 @@ import time
 import pytest
 
 from batchtop.tui.cli import main
-from batchtop.tui.metrics_source import MetricsSource, detect
+from batchtop.tui.metrics.source import MetricsSource, detect
 from expositions import sglang_exposition, vllm_fixture
 
 ENGINE = "smollm2 engine=0"

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchtop.tui.metrics_app import MetricsApp
-from batchtop.tui.metrics_source import MetricsSource, detect
+from batchtop.tui.metrics.app import MetricsApp
+from batchtop.tui.metrics.source import MetricsSource, detect
 import sys
 from pathlib import Path
 

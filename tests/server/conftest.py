@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchtop.engine.config import EngineConfig
+from batchtop.engine.core.config import EngineConfig
 
 from server_helpers import API_KEY, MAX_MODEL_LEN, NUM_KV_BLOCKS
 
@@ -16,7 +16,7 @@ def engine_config():
 @pytest.fixture(scope="session")
 def served(engine_config):
     """(BatchtopServer, ServerThread) without an API key, on 127.0.0.1."""
-    from batchtop.engine.server import ServerThread, build_server
+    from batchtop.engine.server.app import ServerThread, build_server
     server = build_server(engine_config)
     thread = ServerThread(server).start()
     yield server, thread
@@ -32,7 +32,7 @@ def base_url(served):
 @pytest.fixture(scope="session")
 def keyed(served):
     """A second HTTP front (with --api-key) over the same running engine loop."""
-    from batchtop.engine.server import BatchtopServer, ServerThread
+    from batchtop.engine.server.app import BatchtopServer, ServerThread
     server, _ = served
     keyed_server = BatchtopServer(server.loop, _bus_of(server), api_key=API_KEY)
     thread = ServerThread(keyed_server).start()

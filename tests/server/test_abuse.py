@@ -1,7 +1,7 @@
-"""The API under abuse (engine/abuse.py): every case as expected, no 5xx, the engine serves on."""
+"""The API under abuse (engine/reliability/abuse.py): every case as expected, no 5xx, the engine serves on."""
 from __future__ import annotations
 
-from batchtop.engine.abuse import run_cases
+from batchtop.engine.reliability.abuse import run_cases
 from server_helpers import API_KEY, wait_idle
 
 FLOOD = 2000

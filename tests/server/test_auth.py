@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from batchtop.engine.server import ServerThread
+from batchtop.engine.server.app import ServerThread
 from batchtop.telemetry.stream import check_bind, is_loopback
 from batchtop.tui.cli import main
 from server_helpers import API_KEY

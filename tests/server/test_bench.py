@@ -6,7 +6,7 @@ import math
 
 import httpx
 
-from batchtop.engine import bench_serving as bs
+from batchtop.engine.bench import serving as bs
 from server_helpers import wait_idle
 
 

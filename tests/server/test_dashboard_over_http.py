@@ -5,7 +5,7 @@ import asyncio
 
 import httpx
 
-from batchtop.engine.server import BatchtopServer, ServerThread
+from batchtop.engine.server.app import BatchtopServer, ServerThread
 from batchtop.tui.remote_source import RemoteSource
 from server_helpers import wait_idle
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from batchtop.engine.server import BatchtopServer, ServerThread
+from batchtop.engine.server.app import BatchtopServer, ServerThread
 from batchtop.telemetry.events import EventsDropped, KnobChanged, StepFinished
 from batchtop.tui.remote_source import RemoteSource
 from server_helpers import wait_idle

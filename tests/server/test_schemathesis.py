@@ -21,7 +21,7 @@ MAX_EXAMPLES = 15
 
 @pytest.fixture(scope="module")
 def fuzz_url(engine_config):
-    from batchtop.engine.server import ServerThread, build_server
+    from batchtop.engine.server.app import ServerThread, build_server
     server = build_server(dataclasses.replace(engine_config, max_model_len=64))
     thread = ServerThread(server).start()
     yield thread.url, server

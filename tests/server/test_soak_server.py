@@ -1,7 +1,7 @@
 """The server soak, bounded: concurrent streams, client cuts and control aborts; no 5xx, nothing kept."""
 from __future__ import annotations
 
-from batchtop.engine.soak_server import ServerSoak
+from batchtop.engine.reliability.soak_server import ServerSoak
 
 NUM_REQUESTS = 240
 CONCURRENCY = 24

@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.recorder import Recorder
 

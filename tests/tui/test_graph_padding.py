@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.events import RequestAdmitted, RequestArrived, StepFinished
 from batchtop.telemetry.recorder import Recorder, read_log

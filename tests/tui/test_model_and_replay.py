@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.loop import EngineLoop
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.loop import EngineLoop
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.events import (
     EngineSnapshot, EventsDropped, KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted,

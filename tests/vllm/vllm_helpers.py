@@ -17,7 +17,7 @@ START_TIMEOUT_S = 400
 
 
 def model_dir() -> str:
-    from batchtop.engine.model import smollm2_folder
+    from batchtop.engine.model.loading import smollm2_folder
     return str(smollm2_folder(print))
 
 

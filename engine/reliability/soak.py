@@ -1,6 +1,6 @@
 """A long, hostile run of the engine with its invariants checked after every step.
 
-    python -m batchtop.engine.soak [--requests 10000] [--seed 0] [--kv-blocks 48]
+    python -m batchtop.engine.reliability.soak [--requests 10000] [--seed 0] [--kv-blocks 48]
 
 On the tiny model: random arrivals and lengths; random aborts of waiting, mid-prefill and
 mid-decode requests (and of finished ones, which must change nothing); a knob storm (every knob,
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.bus import EventLog
 
-from .config import MAX_BATCHED_TOKENS_LIMIT, EngineConfig
-from .engine import Engine
-from .request import Status
-from .sampling import SamplingParams
+from batchtop.engine.core.config import MAX_BATCHED_TOKENS_LIMIT, EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.request import Status
+from batchtop.engine.core.sampling import SamplingParams
 
 BATCH_CAPACITY = 32
 STALL_STEPS = 5_000      # this many steps without a token, an admission or a retirement: a livelock
@@ -321,7 +321,7 @@ def run_soak(config: SoakConfig = SoakConfig(), progress=None) -> SoakReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=SoakConfig.num_requests)
     parser.add_argument("--seed", type=int, default=SoakConfig.seed)
     parser.add_argument("--kv-blocks", type=int, default=SoakConfig.num_kv_blocks)

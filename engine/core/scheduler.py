@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from .admission import NEXT_STEP, Blocked, WaitClock
-from .block_pool import KVCacheManager
+from .kv_cache import KVCacheManager
 from .request import Request, Status
 
 

@@ -4,7 +4,7 @@ A scenario is engine settings (`config`: what must be set at start, such as the 
 the layout), a Poisson load, requests scripted at given steps, and knob changes at given
 steps (`phases`). `batchtop --scenario NAME` opens the dashboard on it; `run_scenario` runs it
 headless for a bounded number of steps on a virtual clock (`STEP_S` per step, so arrivals
-are the same whatever the machine), which the tests and `python -m batchtop.engine.scenarios`
+are the same whatever the machine), which the tests and `python -m batchtop.engine.workload.scenarios`
 (the figures of docs/scenarios.md) use.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from batchtop.telemetry import events as ev
 
-from .config import EngineConfig
-from .loadgen import LengthDist, PoissonLoad, synthetic_prompt
-from .sampling import SamplingParams
+from batchtop.engine.core.config import EngineConfig
+from .arrivals import LengthDist, PoissonLoad, synthetic_prompt
+from batchtop.engine.core.sampling import SamplingParams
 
 STEP_S = 0.02                   # headless runs: virtual seconds per step, for the load's arrivals
 
@@ -92,7 +92,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 
 def run_scenario(scenario: Scenario, steps: int, *, loaded=None, seed: int = 0, **overrides) -> list[ev.Event]:
     """Run `steps` steps headless on the virtual clock; every event, in order."""
-    from .engine import Engine
+    from batchtop.engine.core.engine import Engine
     events: list[ev.Event] = []
     config = scenario.engine_config(model=overrides.pop("model", "tiny"), **overrides)
     engine = Engine(config, sink=events.append, loaded=loaded)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("names", nargs="*", default=list(SCENARIOS))
     args = parser.parse_args(argv)
-    from .model import load_model
+    from batchtop.engine.model.loading import load_model
     loaded = load_model(args.model, __import__("torch").float32)
     for name in args.names:
         scenario = SCENARIOS[name]

@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 from .engine import Engine, RequestOutput
-from .loadgen import DISTRIBUTIONS, synthetic_prompt
+from batchtop.engine.workload.arrivals import DISTRIBUTIONS, synthetic_prompt
 from .sampling import SamplingParams
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -139,7 +139,7 @@ class EngineLoop:
 
     def start_scenario(self, scenario, source: str = "tui") -> None:
         """From the next step: the scenario's knobs that can change live, its load, and its scripted requests
-        and knob phases, their steps counted from now (engine/scenarios.py). Settings fixed at start (the KV
+        and knob phases, their steps counted from now (engine/workload/scenarios.py). Settings fixed at start (the KV
         pool, the layout) stay as they are; `batchtop --scenario NAME` sets them."""
         def apply():
             engine = self.engine

@@ -14,8 +14,8 @@ import httpx
 
 from batchtop.telemetry.exposition import parse_exposition
 
-from .bench_serving import bench_server, served_model, summarize
-from .vllm.launch import LaunchedServer
+from .serving import bench_server, served_model, summarize
+from batchtop.engine.vllm.launch import LaunchedServer
 
 LOG_TAIL_LINES = 20
 

@@ -13,12 +13,12 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.widgets import ContentSwitcher, Footer, Static
 
-from .metrics_source import NO_PAUSE_WHY, READ_ONLY_WHY, EngineView, MetricsSource
-from .metrics_widgets import (
+from .source import NO_PAUSE_WHY, READ_ONLY_WHY, EngineView, MetricsSource
+from .widgets import (
     METRIC_PLOTS, EnginesTable, IntervalLog, MetricsHeader, MetricsKvPanel, MetricsPlot, NeedsEventsPanel,
 )
-from .plots import PLOT_WINDOWS_S
-from .screens import HelpScreen
+from batchtop.tui.plots import PLOT_WINDOWS_S
+from batchtop.tui.screens import HelpScreen
 
 VIEWS = ("engines", "plots", "intervals")
 IDLE_REDRAW_TICKS = 10

@@ -31,10 +31,10 @@ from batchtop.telemetry import flight
 from batchtop.telemetry.stream import (SSE_HEADERS, BearerAuth, EventRing, bind_socket, check_bind, error_body,
                                        events_response)
 
-from .loop import EngineLoop
-from .sampling import SamplingParams
-from .server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
-from .server_openai import (ApiError, ChatCompletionRequest, CompletionRequest, KnobUpdate, TextStream,
+from batchtop.engine.core.loop import EngineLoop
+from batchtop.engine.core.sampling import SamplingParams
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
+from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, KnobUpdate, TextStream,
                             message_text, stop_strings)
 
 PUMP_INTERVAL_S = 0.05
@@ -526,7 +526,7 @@ def build_server(config, *, api_key: str | None = None, model_name: str | None =
                  event_history: int = 100_000, max_body_bytes: int = MAX_BODY_BYTES, loaded=None) -> BatchtopServer:
     """Load the model, start the engine loop, and wrap it (the HTTP side is not started)."""
     from batchtop.telemetry.bus import EventBus
-    from .engine import Engine
+    from batchtop.engine.core.engine import Engine
     bus = EventBus()
     engine = Engine(config, sink=bus.publish, loaded=loaded)
     loop = EngineLoop(engine)

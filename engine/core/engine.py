@@ -17,12 +17,12 @@ from batchtop.telemetry.flight import FlightRecorder
 
 from .admission import Blocked
 from .batch import PersistentBatch
-from .block_pool import KVCacheManager
+from .kv_cache import KVCacheManager
 from .config import (BATCHING_MODES, MAX_BATCHED_TOKENS_LIMIT, PREEMPTION_MODES, EngineConfig, check_choice,
                      check_int)
-from .model import LoadedModel, load_model
+from batchtop.engine.model.loading import LoadedModel, load_model
 from .request import Request, Status
-from .runner import Runner
+from batchtop.engine.model.runner import Runner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Row, Scheduler, SchedulerKnobs
 

@@ -24,7 +24,7 @@ import httpx
 from batchtop.telemetry.exposition import EngineSnapshot, Scrape, detect_flavour, parse_exposition
 from batchtop.telemetry.intervals import Interval, derive
 
-from .sources import Source
+from batchtop.tui.sources import Source
 
 MAX_INTERVALS = 3600                 # per engine: an hour at the default period
 SCHEDULER_HINT = ("start vLLM with --scheduler-cls batchtop.engine.vllm.scheduler.BatchtopScheduler and "

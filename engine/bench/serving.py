@@ -194,14 +194,14 @@ class EmbeddedBackend:
     """The engine in this process: requests go straight into its `EngineLoop`, no HTTP."""
 
     def __init__(self, loop, *, ignore_eos: bool = True):
-        from .server import OutputRouter
+        from batchtop.engine.server.app import OutputRouter
         self.loop = loop
         self.ignore_eos = ignore_eos
         self.router = OutputRouter()
         self._ids = 0
 
     async def send(self, request: BenchRequest) -> RequestResult:
-        from .sampling import SamplingParams
+        from batchtop.engine.core.sampling import SamplingParams
         if self.router.aloop is None:
             self.router.aloop = asyncio.get_running_loop()
         result = RequestResult(prompt_len=request.prompt_len)
@@ -346,8 +346,8 @@ class EmbeddedEngine:
 
     def __init__(self, config, loaded=None):
         from batchtop.telemetry.bus import EventBus
-        from .engine import Engine
-        from .loop import EngineLoop
+        from batchtop.engine.core.engine import Engine
+        from batchtop.engine.core.loop import EngineLoop
         self.bus = EventBus()
         self.events = self.bus.subscribe(maxlen=2_000_000)
         self.engine = Engine(config, sink=self.bus.publish, loaded=loaded)
@@ -392,7 +392,7 @@ def sweep(config, requests, values: list[int], *, loaded=None, **run_kwargs) -> 
     """The same trace at each max_num_seqs on a fresh embedded engine (the model loaded once)."""
     import dataclasses
     from batchtop.telemetry.metrics import summarize as summarize_events
-    from .model import load_model
+    from batchtop.engine.model.loading import load_model
     import torch
     if loaded is None:
         loaded = load_model(config.model, getattr(torch, config.dtype))
@@ -507,7 +507,7 @@ def dataset_from_args(args) -> list[BenchRequest]:
 
 def _tokenizer(path: str | None):
     import transformers
-    from .model import cache_dir
+    from batchtop.engine.model.loading import cache_dir
     folder = path or str(cache_dir() / "smollm2")
     return transformers.AutoTokenizer.from_pretrained(folder)
 

@@ -1,0 +1,1 @@
+"""Loads for the engine: Poisson arrivals with length distributions, traces, scenarios."""
