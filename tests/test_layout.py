@@ -1,0 +1,108 @@
+"""The import rules of docs/architecture.md, read from the source: every import of every module,
+function-level ones included."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"engine": "batchtop.engine", "kernels": "batchtop.kernels", "telemetry": "batchtop.telemetry",
+            "tui": "batchtop.tui"}
+# Code that runs inside vLLM's engine process: batchtop.telemetry and what vLLM installs, nothing else.
+VLLM_GUESTS = ("scheduler", "observer", "slots", "control", "endpoint")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([PACKAGES[parts[0]], *parts[1:]])
+
+
+def imports_of(path: Path) -> set[str]:
+    """Absolute names of every module `path` imports (a `from X import y` counts as X and X.y)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+MODULES = {module_name(p): imports_of(p) for top in PACKAGES for p in sorted((ROOT / top).rglob("*.py"))}
+
+
+def offending(prefix: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Modules under `prefix` that import a name under one of `forbidden` and not under `allowed`."""
+    def under(name, roots):
+        return any(name == root or name.startswith(root + ".") for root in roots)
+    bad = {}
+    for module, names in MODULES.items():
+        if under(module, (prefix,)):
+            hits = sorted(n for n in names if under(n, forbidden) and not under(n, allowed))
+            if hits:
+                bad[module] = hits
+    return bad
+
+
+def test_every_package_is_found():
+    assert {"batchtop.engine.core.engine", "batchtop.engine.server.app", "batchtop.telemetry.events",
+            "batchtop.kernels.cpu", "batchtop.tui.app", "batchtop.engine.vllm.scheduler"} <= set(MODULES)
+
+
+def test_engine_core_imports_neither_server_nor_benchmarks_nor_the_dashboard():
+    assert offending("batchtop.engine.core", ("batchtop.engine.server", "batchtop.engine.bench",
+                                              "batchtop.engine.reliability", "batchtop.engine.vllm",
+                                              "batchtop.tui", "textual", "fastapi", "uvicorn")) == {}
+
+
+def test_model_side_imports_no_engine_core():
+    assert offending("batchtop.engine.model", ("batchtop.engine", "batchtop.tui", "textual"),
+                     allowed=("batchtop.engine.model",)) == {}
+
+
+def test_engine_never_imports_the_dashboard():
+    assert offending("batchtop.engine", ("batchtop.tui", "textual")) == {}
+
+
+@pytest.mark.parametrize("package", ["batchtop.telemetry", "batchtop.kernels"])
+def test_telemetry_and_kernels_import_nothing_else_of_batchtop(package):
+    assert offending(package, ("batchtop",), allowed=(package,)) == {}
+
+
+def test_vllm_guest_modules_import_only_telemetry_and_what_vllm_installs():
+    allowed_top = {"vllm", "fastapi", "pydantic", "uvicorn", "__future__"} | set(sys.stdlib_module_names)
+    guests = {f"batchtop.engine.vllm.{name}" for name in VLLM_GUESTS}
+    bad = {}
+    for guest in sorted(guests):
+        for name in sorted(MODULES[guest]):
+            ours = name.startswith("batchtop.")
+            if (ours and not (name.startswith("batchtop.telemetry") or name == "batchtop.engine.vllm"
+                              or name.rsplit(".", 1)[0] in guests or name in guests)
+                    or not ours and name.split(".")[0] not in allowed_top):
+                bad.setdefault(guest, []).append(name)
+    assert bad == {}
+
+
+def test_the_rules_see_a_violation(tmp_path):
+    """The walker resolves relative imports: a core module importing the server is caught."""
+    fake = ROOT / "engine" / "core" / "engine.py"
+    tree = imports_of(fake)
+    assert "batchtop.engine.core.scheduler" in tree         # `from .scheduler import ...`
+    MODULES["batchtop.engine.core.fake"] = {"batchtop.engine.server.app"}
+    try:
+        assert offending("batchtop.engine.core", ("batchtop.engine.server",)) == {
+            "batchtop.engine.core.fake": ["batchtop.engine.server.app"]}
+    finally:
+        del MODULES["batchtop.engine.core.fake"]
