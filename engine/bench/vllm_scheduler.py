@@ -3,7 +3,7 @@
     .venv/bin/python -m batchtop.engine.bench.vllm_scheduler [--rounds 3] [--enforce-eager] [--no-write]
 
 Two vLLM servers on the same settings, one stock and one with `BatchtopScheduler` (its
-events followed by a dashboard client, as in use), started once; the same `bench` trace runs
+events followed and decoded by a client, as a dashboard follows them), started once; the same `bench` trace runs
 against each in turn, `--rounds` times, the idle server stopped (SIGSTOP) so it takes no CPU.
 Writes the section "## batchtop's scheduler class inside vLLM" of docs/benchmarks.md.
 """
@@ -14,9 +14,15 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 
+import httpx
+from httpx_sse import connect_sse
+
 from batchtop.engine.bench import serving as bs
+from batchtop.telemetry.recorder import decode_event
+
 from .figures import commit, cpu_name, write_section
 
 from batchtop.engine.vllm.launch import SCHEDULER_CLS, VllmOptions, launch_vllm
@@ -27,7 +33,6 @@ TARGET_LOSS = 0.02
 
 def run(args) -> dict:
     from batchtop.engine.model.loading import smollm2_folder
-    from batchtop.tui.remote_source import RemoteSource
     model = str(smollm2_folder(print))
     base = dict(model=model, max_num_seqs=args.max_num_seqs, max_model_len=2048, enforce_eager=args.enforce_eager)
     servers = {"stock": launch_vllm(VllmOptions(**base, port=8150, scheduler_cls=None)),
@@ -36,7 +41,7 @@ def run(args) -> dict:
     try:
         for name, server in servers.items():
             print(f"{name}: healthy after {server.wait_healthy(600):.0f} s", file=sys.stderr)
-        follower = RemoteSource("http://127.0.0.1:8153", from_step=None).start()
+        follower = EventFollower("http://127.0.0.1:8153")
         requests = bs.random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio, seed=0)
         samples = {name: [] for name in servers}
         for server in servers.values():
@@ -49,7 +54,6 @@ def run(args) -> dict:
                 finally:
                     os.killpg(server.pgid, signal.SIGSTOP)
                 summary = bs.summarize(results, duration)
-                follower.poll()
                 print(f"round {round_no} {name:8} {summary['output_throughput']:.1f} out tok/s "
                       f"({summary['completed']}/{summary['num_prompts']} completed)", file=sys.stderr)
                 if round_no:
@@ -59,10 +63,26 @@ def run(args) -> dict:
         return samples
     finally:
         if follower is not None:
-            follower.close()
+            print(f"the client followed {follower.num_events} events", file=sys.stderr)
         for server in servers.values():
             os.killpg(server.pgid, signal.SIGCONT)
             server.stop()
+
+
+class EventFollower:
+    """A client on the scheduler class's event stream, on a thread: every event read and decoded."""
+
+    def __init__(self, url: str):
+        self.num_events = 0
+        threading.Thread(target=self._follow, args=(url,), daemon=True).start()
+
+    def _follow(self, url: str) -> None:
+        with httpx.Client(base_url=url, timeout=None) as client, \
+                connect_sse(client, "GET", "/v1/events") as source:
+            for message in source.iter_sse():
+                if message.event == "message":
+                    decode_event(message.data)
+                    self.num_events += 1
 
 
 def render(args, samples: dict) -> str:
