@@ -41,7 +41,7 @@ soak-server: setup
 abuse: setup
 	$(PY) -m batchtop.engine.reliability.abuse --flood 2000
 
-# Benchmarks are not tests: each writes its figures to docs/benchmarks.md (run on a quiet machine).
+# Benchmarks are not tests: batchtop.<package>.bench, run on a quiet machine; docs/benchmarks.md lists each and where its figures go.
 bench-engine: setup
 	$(PY) -m batchtop.engine.bench.engine
 

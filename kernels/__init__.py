@@ -59,7 +59,7 @@ def resolve_backend(device: torch.device | str) -> str:
 def build_attention_metadata(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int
 ) -> AttentionMetadata:
-    """Once per step, from int32 tensors on the cache's device; see docs/architecture.md."""
+    """Once per step, from int32 tensors on the cache's device; see docs/kernels.md, "The contract"."""
     impl = _impl(block_table.device)
     return impl.build_attention_metadata(query_start_loc, seq_lens, block_table, block_size)
 

@@ -1,6 +1,6 @@
 """Paged attention in plain torch: the reference for the Triton kernels and the engine's CPU path.
 
-Layout (docs/architecture.md, kernels/): caches are `[num_blocks, block_size, num_kv_heads, head_dim]`
+Layout (docs/kernels.md, "The contract"): caches are `[num_blocks, block_size, num_kv_heads, head_dim]`
 and one step's tokens lie on a flat axis cut into sequences by `query_start_loc`.
 
 Decode rows (query_len == 1) are batched: a group of decode rows gathers its blocks in one

@@ -1,34 +1,22 @@
-"""C++ kernels for the CPU, compiled on first use from cpu_kernels.cpp (docs/kernels.md).
+"""C++ kernels for the CPU, compiled on first use from cpu_kernels.cpp.
 
-- `paged_decode`: decode attention. On the CPU a decode row's attention is bound by reading its
-  KV, and the torch path reads it three times (gather into a padded copy, write it, read it again
-  in SDPA); this walks each row's block table and reads every cached K/V once, with an online
-  softmax, rows in parallel on torch's thread pool (heads too when rows are fewer than threads).
-  fp32; rows with query_len == 1.
-- `packed_linear`: `x @ W.T` over a weight packed once by `pack_linear` into 48-column panels.
-  MKL's sgemm is poor at the few rows of a decode step (8 rows took 2x the time of 1 here,
-  though both only stream the weights); this kernel streams each panel once for up to 8 rows
-  and matches MKL at thousands of rows, so one kernel serves every step. A weight that is
-  exactly a dequantised GGUF Q4_1 / Q8_0 weight (the default model's) is packed as those blocks,
-  1.25 bytes a weight (0.75 for Q4_1, two q a byte) instead of 4, and decoded to the same fp32
-  values inside the kernel: the arithmetic and the result are the fp32 ones, bit for bit, and the
-  decode steps that stream the weights read a fifth to a third of the bytes. Where the CPU has
-  AMX (`amx_available()`), a block weight's products of 24 rows or more run on the tile unit instead:
-  q is exact in bf16 and x the exact sum of three bf16 parts, so the products are exact and the
-  sums fp32 -- the fp32 path's accuracy, not its rounding order -- at 1.2-1.4x the FMA path's
-  speed (32 to 2048 rows, docs/kernels.md).
-- `add_rms_norm`, `rope_and_cache`, `silu_mul`: a Llama layer's elementwise steps, one call each
-  instead of transformers' several small ops each, which at a decode step's few rows cost more
-  than the arithmetic (engine/model/forward.py).
-- `argmax_rows`: the greedy sampler's argmax; torch's walks a row one value at a time.
+How they work and what they measured: docs/kernels.md, "The C++ CPU kernels".
 
-The build runs the machine's C++ compiler through torch.utils.cpp_extension (about a minute),
-once per CPU, into the torch extensions cache under a name that carries a hash of the CPU's
-instruction-set flags, so a cache shared between machines never hands one CPU a library built for
-another (a SIGILL no `except` catches). A build lock left by an interrupted build is broken once it
-is `STALE_LOCK_S` old; while a build runs `build_note()` says so; `available()` is False where the
-build fails (said once on stderr, `unavailable_reason()` keeps why) or with BATCHTOP_CPU_KERNEL=0,
-and callers use torch instead.
+- `paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale)`: attention of query_len-1 rows
+  over the paged cache, each row's K/V read once; fp32.
+- `pack_linear(W)` / `packed_linear(x, packed)`: `x @ W.T` over a weight packed once into 48-column
+  panels. A weight that is exactly a dequantised GGUF Q4_1 / Q8_0 weight is packed as those blocks
+  and decoded to the same fp32 values in the kernel; with AMX (`amx_available()`) such a weight's
+  products of `AMX_MIN_ROWS` rows or more run on the tile unit, fp32-accurate.
+- `add_rms_norm`, `rope_and_cache`, `silu_mul`: a Llama layer's elementwise steps, one call each,
+  the same arithmetic as transformers' modules.
+- `argmax_rows`: the greedy sampler's argmax (torch's NaN and -0.0 rules).
+
+The build happens once per CPU, into the torch extensions cache under a name carrying a hash of the
+CPU's instruction-set flags, so no CPU loads a library built for another. A lock left by an
+interrupted build is broken once untouched for `STALE_LOCK_S`; while a build runs `build_note()`
+says so. `available()` is False where the build fails (said once on stderr; `unavailable_reason()`
+keeps why) or with BATCHTOP_CPU_KERNEL=0; callers then use torch.
 """
 from __future__ import annotations
 

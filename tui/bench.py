@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from batchtop.engine.bench.engine import write_section, make_trace
+from batchtop.engine.bench.engine import make_trace
+from batchtop.engine.bench.figures import write_section
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.loop import EngineLoop
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        write_section(text, SECTION)
+        write_section(SECTION, text)
     return 0
 
 

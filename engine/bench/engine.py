@@ -448,7 +448,8 @@ def graph_padding(loaded, prompts, lengths, **config) -> tuple[int, int]:
     return padded, computed
 
 
-# issue 20's targets, against the first GPU measurement (graphs did not exist then)
+# the CUDA graphs' targets: a decode step of at most 3 ms at 1-64 rows, the trace 4x faster than the first GPU
+# measurement (5.73 s, before graphs existed)
 TARGET_STEP_S, TARGET_STEP_ROWS, EAGER_TRACE_S, TARGET_SPEEDUP = 3e-3, 64, 5.73, 4.0
 
 

@@ -6,7 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
 def write_section(section: str, text: str, doc: Path = DOCS) -> None:

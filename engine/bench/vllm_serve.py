@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     reason = vllm_available()
     if reason:
-        print(f"bench_vllm: {reason}", file=sys.stderr)
+        print(f"vllm_serve: {reason}", file=sys.stderr)
         return 2
     started = time.monotonic()
     best = side_by_side(args, trace(args.num_prompts))

