@@ -24,12 +24,11 @@ from batchtop.kernels import cpu
 
 from .dims import ModelDims
 from .forward import FlatForward, supports
-from .graphs import DecodeGraphs, capture_sizes, num_padding_blocks
+from .graphs import CUDA_GRAPH_MODES, DecodeGraphs, capture_sizes, num_padding_blocks
 from .step_inputs import StepInputs
 
 ATTENTION_NAME = "batchtop_paged"
 TOKEN_ROWS_MAX_QUERY = 128      # longest query of a step whose attention runs as one decode-kernel row per token
-CUDA_GRAPH_MODES = ("on", "off", "eager")   # eager: the graphs' buffers and padding, run without capture
 
 log = logging.getLogger(__name__)
 
