@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from .runner import Runner
 
 log = logging.getLogger(__name__)
-CUDA_GRAPH_MODES = ("on", "off", "eager")   # eager: the graphs' buffers and padding, run without capture
 
 
 def capture_sizes(max_rows: int) -> tuple[int, ...]:

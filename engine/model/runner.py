@@ -20,11 +20,12 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from batchtop import kernels
+from batchtop.engine.core.config import CUDA_GRAPH_MODES
 from batchtop.kernels import cpu
 
 from .dims import ModelDims
 from .forward import FlatForward, supports
-from .graphs import CUDA_GRAPH_MODES, DecodeGraphs, capture_sizes, num_padding_blocks
+from .graphs import DecodeGraphs, capture_sizes, num_padding_blocks
 from .step_inputs import StepInputs
 
 ATTENTION_NAME = "batchtop_paged"
