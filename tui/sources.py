@@ -127,7 +127,6 @@ class ReplaySource(Source):
     def __init__(self, header: dict, events: list[Event], *, clock: Callable[[], float] = time.monotonic,
                  speed: float = 1.0, paused: bool = False, max_events_per_poll: int = 20_000):
         super().__init__()
-        self.header = header
         self.events = events
         self.meta = {k: header.get(k) for k in ("model", "device", "layout", "preemption_mode", "kernels")
                      if header.get(k)}
