@@ -17,6 +17,9 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.widgets import ContentSwitcher, Footer, Static
 
+from batchtop.engine.core.knobs import BATCHING_MODES
+from batchtop.engine.workload.arrivals import DISTRIBUTIONS as LENGTH_DISTS
+
 from .model import DashboardModel
 from .plots import PLOT_WINDOWS_S, PLOTS, PlotPanel
 from .screens import ConfirmScreen, HelpScreen, PromptScreen
@@ -25,8 +28,6 @@ from .tables import COLUMNS, EventLogView, RequestTable
 from .widgets import HeaderBar, KvPanel, SlotGrid, TimelineView
 
 VIEWS = ("requests", "plots", "events", "timeline")
-BATCHING_MODES = ("continuous", "static", "dynamic")
-LENGTH_DISTS = ("fixed", "uniform", "exponential", "pareto")
 KNOB_ALIASES = {
     "seqs": "max_num_seqs", "max_seqs": "max_num_seqs",
     "budget": "max_num_batched_tokens", "tokens": "max_num_batched_tokens",
@@ -360,8 +361,7 @@ class BatchtopApp(App):
                 return
             self.set_knob(name.strip(), raw.strip())
         self.push_screen(PromptScreen(
-            "knob=value  (max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, "
-            "batching_mode, load_rate, length_dist; short: seqs budget chunk mode rate dist)",
+            f"knob=value  ({', '.join(ENGINE_KNOBS + LOAD_KNOBS)}; short: seqs budget chunk mode rate dist)",
             placeholder="max_num_seqs=32"), done)
 
     def action_knob_step(self, name: str, up: bool) -> None:

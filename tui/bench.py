@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from batchtop.engine.bench.engine import make_trace
-from batchtop.engine.bench.figures import write_section
+from batchtop.engine.bench.figures import publish
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.loop import EngineLoop
@@ -126,10 +126,7 @@ def main(argv=None) -> int:
     lines += ["", "The run-to-run noise of this VM is several percent either way (the same configuration "
               "alternated differs by up to ~10%), so only a drop beyond that is a cost."]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
-    return 0
+    return publish(SECTION, text, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,6 @@ class DashboardModel:
     paused: bool = False
     admission: AdmissionBlocked | None = None   # what stops admission now; None while nobody waits
     last_t: float | None = None
-    num_events: int = 0
     num_dropped: int = 0
     message: str = ""                    # latest refusal or knob change, for the status line
 
@@ -183,7 +182,6 @@ class DashboardModel:
         """Fold a batch of events (oldest first). Replaying backwards means a fresh model."""
         handlers = self._handlers
         log = self.log
-        self.num_events += len(events)
         for event in events:
             t = event.t
             if self._bucket_end is None:

@@ -49,7 +49,6 @@ class RemoteSource(Source):
         self.last_seq: int | None = None
         self.server_id: str | None = None
         self.num_connects = 0
-        self.num_gaps = 0
         self._paused = False
         self._clock_offset: float | None = None   # server monotonic - ours, best (largest) estimate
         self.meta = {"model": None, "device": f"remote {self.url}"}
@@ -171,7 +170,6 @@ class RemoteSource(Source):
         return True
 
     def _gap(self, notice: dict) -> None:
-        self.num_gaps += 1
         self.last_error = notice.get("message")
         lost = notice.get("lost") or 0
         with self._lock:

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from batchtop.engine.core.knobs import DASHBOARD_KNOBS as ENGINE_KNOBS
 from batchtop.telemetry.events import Event, EventsDropped, StepFinished
 
-ENGINE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "batching_mode")
 LOAD_KNOBS = ("load_rate", "length_dist")
 REPLAY_SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0)
 READ_ONLY = "replay: knobs are read-only"
@@ -127,7 +127,6 @@ class ReplaySource(Source):
     def __init__(self, header: dict, events: list[Event], *, clock: Callable[[], float] = time.monotonic,
                  speed: float = 1.0, paused: bool = False, max_events_per_poll: int = 20_000):
         super().__init__()
-        self.header = header
         self.events = events
         self.meta = {k: header.get(k) for k in ("model", "device", "layout", "preemption_mode", "kernels")
                      if header.get(k)}

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
 
-from .figures import write_section
+from .figures import publish
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
 from batchtop.engine.model.forward import supports
@@ -363,10 +363,7 @@ def main(argv=None) -> int:
     if not on_cpu:
         text = cuda_section(args, torch.cuda.get_device_name(args.device), loaded, prompts, lengths, results,
                             static_util, batchtop_config, bracket)
-        print(text)
-        if not args.no_write:
-            write_section(CUDA_SECTION, text)
-        return 0
+        return publish(CUDA_SECTION, text, write=not args.no_write)
     steps = decode_step_times(decode_engine(loaded, **engine_config))
     records = step_records(loaded, prompts, lengths, **batchtop_config)
     param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -414,10 +411,7 @@ def main(argv=None) -> int:
               f"(its matmul FLOPs at the GEMM rate, at least the weight-streaming floor):", ""]
     lines += breakdown_table(records, per_layer, per_head, gemm, stream_floor) + [""]
     text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
-    return 0
+    return publish(SECTION, text, write=not args.no_write)
 
 
 def contender_table(results: dict[str, float], useful: int, digits: int) -> list[str]:
@@ -517,10 +511,7 @@ def telemetry_main(args) -> int:
         "recorder writing every event to a JSONL log, alternated three times; best of each.", "",
         "| telemetry | wall s | relative |", "|---|---:|---:|",
         f"| off | {off:.2f} | 1.000 |", f"| recorder | {recorder:.2f} | {recorder / off:.3f} |", ""])
-    print(text)
-    if not args.no_write:
-        write_section(TELEMETRY_SECTION, text)
-    return 0
+    return publish(TELEMETRY_SECTION, text, write=not args.no_write)
 
 
 TELEMETRY_SECTION = "## Telemetry overhead"

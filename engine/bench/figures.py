@@ -21,6 +21,14 @@ def write_section(section: str, text: str, doc: Path = DOCS) -> None:
     doc.write_text(new)
 
 
+def publish(section: str, text: str, *, write: bool, doc: Path = DOCS) -> int:
+    """Print a benchmark's section and, when `write`, put it into docs/benchmarks.md; exit status 0."""
+    print(text)
+    if write:
+        write_section(section, text, doc)
+    return 0
+
+
 def cpu_name() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout

@@ -24,7 +24,7 @@ import time
 import httpx
 
 from batchtop.engine.bench import serving as bs
-from .figures import write_section
+from .figures import publish
 from batchtop.engine.core.config import EngineConfig
 
 SECTION = "## Server overhead and sweep"
@@ -139,10 +139,7 @@ def main(argv=None) -> int:
     result = overhead(args)
     points = run_sweep(args, result.pop("_loaded"))
     text = render(args, result, points)
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
-    return 0
+    return publish(SECTION, text, write=not args.no_write)
 
 
 if __name__ == "__main__":

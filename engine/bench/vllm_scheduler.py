@@ -23,7 +23,7 @@ from httpx_sse import connect_sse
 from batchtop.engine.bench import serving as bs
 from batchtop.telemetry.recorder import decode_event
 
-from .figures import commit, cpu_name, write_section
+from .figures import commit, cpu_name, publish
 
 from batchtop.engine.vllm.launch import SCHEDULER_CLS, VllmOptions, launch_vllm
 
@@ -124,10 +124,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/benchmarks.md")
     args = parser.parse_args(argv)
     text = render(args, run(args))
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
-    return 0
+    return publish(SECTION, text, write=not args.no_write)
 
 
 if __name__ == "__main__":

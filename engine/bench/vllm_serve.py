@@ -23,7 +23,7 @@ import time
 from contextlib import contextmanager
 
 from batchtop.engine.bench import serving as bs
-from .figures import commit, cpu_name, write_section
+from .figures import commit, cpu_name, publish
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.model.loading import smollm2_folder
 from .sweep_launch import sweep_launched
@@ -159,10 +159,7 @@ def main(argv=None) -> int:
     best = side_by_side(args, trace(args.num_prompts))
     on_vllm, embedded = sweeps(args, trace(args.sweep_prompts))
     text = render(args, best, on_vllm, embedded, time.monotonic() - started)
-    print(text)
-    if not args.no_write:
-        write_section(SECTION, text)
-    return 0
+    return publish(SECTION, text, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-BATCHING_MODES = ("continuous", "static", "dynamic")
-PREEMPTION_MODES = ("recompute", "retract")
-POLICIES = ("fcfs", "priority")
-MAX_NUM_SEQS_LIMIT = 1024
-MAX_BATCHED_TOKENS_LIMIT = 65536
+from batchtop.kernels import BACKENDS
+
+from .batch import LAYOUTS
+from .knobs import KNOBS, POLICIES
+
+DTYPES = ("float32", "bfloat16", "float16")
+CUDA_GRAPH_MODES = ("on", "off", "eager")   # eager: the graphs' buffers and padding, run without capture
+MAX_BATCH_CAPACITY = 1024
 
 
 @dataclass(frozen=True)
@@ -37,12 +40,10 @@ class EngineConfig:
     flight_recorder_steps: int = 256          # steps of events kept for a crash log (0: none)
 
     def __post_init__(self):
-        check_int("max_num_seqs", self.max_num_seqs, 1, self.batch_capacity)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_BATCHED_TOKENS_LIMIT)
-        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, MAX_BATCHED_TOKENS_LIMIT)
+        check_int("batch_capacity", self.batch_capacity, 1, MAX_BATCH_CAPACITY)
+        for knob in KNOBS.values():                # the live knobs' start values, as set_knob checks them
+            knob.check(getattr(self, knob.name), self.batch_capacity)
         check_int("block_size", self.block_size, 1, 1024)
-        check_int("batch_capacity", self.batch_capacity, 1, MAX_NUM_SEQS_LIMIT)
-        check_int("static_batch_size", self.static_batch_size, 1, self.batch_capacity)
         check_int("snapshot_interval_steps", self.snapshot_interval_steps, 0, 10**9)
         check_int("flight_recorder_steps", self.flight_recorder_steps, 0, 1_000_000)
         if self.num_kv_blocks is not None:
@@ -50,12 +51,10 @@ class EngineConfig:
         if not self.kv_cache_mb > 0:
             raise ValueError(f"kv_cache_mb must be > 0, got {self.kv_cache_mb!r}")
         check_choice("policy", self.policy, POLICIES)
-        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        check_choice("batching_mode", self.batching_mode, BATCHING_MODES)
-        check_choice("layout", self.layout, ("condense", "indexmap", "gather"))
-        check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
-        check_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        check_choice("cuda_graphs", self.cuda_graphs, ("on", "off", "eager"))
+        check_choice("layout", self.layout, LAYOUTS)
+        check_choice("attention_backend", self.attention_backend, BACKENDS)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -18,8 +18,8 @@ from batchtop.telemetry.flight import FlightRecorder
 from .admission import Blocked
 from .batch import PersistentBatch
 from .kv_cache import KVCacheManager
-from .config import (BATCHING_MODES, MAX_BATCHED_TOKENS_LIMIT, PREEMPTION_MODES, EngineConfig, check_choice,
-                     check_int)
+from .config import EngineConfig
+from .knobs import KNOBS, knob
 from batchtop.engine.model.loading import LoadedModel, load_model
 from .request import Request, Status
 from batchtop.engine.model.runner import Runner
@@ -383,37 +383,15 @@ class Engine:
     # -- knobs ------------------------------------------------------------------------------
 
     def knobs(self) -> dict[str, object]:
-        k = self.scheduler.knobs
-        return {
-            "max_num_seqs": k.max_num_seqs,
-            "max_num_batched_tokens": k.max_num_batched_tokens,
-            "long_prefill_token_threshold": k.long_prefill_token_threshold,
-            "batching_mode": (self._pending_batching_mode or (k.batching_mode,))[0],
-            "static_batch_size": k.static_batch_size,
-            "dynamic_timeout_s": k.dynamic_timeout_s,
-            "preemption_mode": k.preemption_mode,
-        }
+        """Every live knob's value; a batching mode waiting for the batch boundary shows as set."""
+        values = {name: getattr(self.scheduler.knobs, name) for name in KNOBS}
+        if self._pending_batching_mode is not None:
+            values["batching_mode"] = self._pending_batching_mode[0]
+        return values
 
     def validate_knob(self, name: str, value):
         """The value to set, or ValueError naming the allowed range; changes nothing."""
-        if name in ("max_num_seqs", "static_batch_size"):
-            return check_int(name, _as_int(value), 1, self.batch.capacity)
-        if name in ("max_num_batched_tokens", "long_prefill_token_threshold"):
-            low = 1 if name == "max_num_batched_tokens" else 0
-            return check_int(name, _as_int(value), low, MAX_BATCHED_TOKENS_LIMIT)
-        if name == "batching_mode":
-            return check_choice(name, value, BATCHING_MODES)
-        if name == "preemption_mode":
-            return check_choice(name, value, PREEMPTION_MODES)
-        if name == "dynamic_timeout_s":
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                value = -1.0
-            if not 0 <= value <= 60:
-                raise ValueError(f"dynamic_timeout_s must be a number in [0, 60], got {value!r}")
-            return value
-        raise ValueError(f"unknown knob {name!r}; knobs: {', '.join(self.knobs())}")
+        return knob(name).parse(value, self.batch.capacity)
 
     def set_knob(self, name: str, value, source: str = "api") -> None:
         """Change a knob between steps; the next step obeys it. A batching mode change waits for the
@@ -479,10 +457,3 @@ def _kernel_note(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cpu" or dtype != torch.float32 or cpu.available():
         return None
     return f"C++ kernels off ({cpu.unavailable_reason()}): torch ops serve, slower"
-
-
-def _as_int(value):
-    """Accept ints and integer strings (typed into the dashboard); anything else fails validation."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    return value

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from .admission import NEXT_STEP, Blocked, WaitClock
+from .knobs import POLICIES
 from .kv_cache import KVCacheManager
 from .request import Request, Status
 
@@ -85,8 +86,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, knobs: SchedulerKnobs, kv: KVCacheManager, policy: str = "fcfs"):
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be fcfs or priority, got {policy!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.knobs = knobs
         self.kv = kv
         self.policy = policy

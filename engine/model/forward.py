@@ -21,6 +21,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from batchtop import kernels
 from batchtop.kernels import cpu
 
+from .dims import ModelDims
+
 ARCHITECTURES = ("llama",)
 
 # attend(layer_index, query [T, Hq, D], scale) -> [T, Hq, D], over K/V already in that layer's cache
@@ -113,11 +115,11 @@ class FlatForward:
         self.model = model.model
         self.placement = (model.device, model.dtype)      # what the fused weights below were made for
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dims = ModelDims.of(config)
         fused = (model.device.type == "cpu" and model.dtype == torch.float32 and config.hidden_act == "silu"
                  and cpu.available())
         ops = FusedCpuOps if fused else TransformersOps
-        self.ops = ops(config.num_attention_heads, config.num_key_value_heads, head_dim)
+        self.ops = ops(dims.num_heads, dims.num_kv_heads, dims.head_dim)
         self.layers = [Layer(layer.input_layernorm,
                              FusedLinear(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                          packed=fused),

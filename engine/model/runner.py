@@ -20,15 +20,16 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from batchtop import kernels
+from batchtop.engine.core.config import CUDA_GRAPH_MODES
 from batchtop.kernels import cpu
 
+from .dims import ModelDims
 from .forward import FlatForward, supports
 from .graphs import DecodeGraphs, capture_sizes, num_padding_blocks
 from .step_inputs import StepInputs
 
 ATTENTION_NAME = "batchtop_paged"
 TOKEN_ROWS_MAX_QUERY = 128      # longest query of a step whose attention runs as one decode-kernel row per token
-CUDA_GRAPH_MODES = ("on", "off", "eager")   # eager: the graphs' buffers and padding, run without capture
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,6 @@ class Runner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        config = model.config
         # build the CPU kernels now (once per machine), not mid-step
         self.decode_kernel = self.device.type == "cpu" and dtype == torch.float32 and cpu.available()
         if supports(model):
@@ -105,13 +105,13 @@ class Runner:
         else:
             self.flat_forward = None
             model.set_attn_implementation(ATTENTION_NAME)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dims = ModelDims.of(model.config)
         graph_sizes = self._graph_sizes(cuda_graphs, max_rows)
-        shape = (num_blocks + num_padding_blocks(graph_sizes, block_size), block_size, config.num_key_value_heads,
-                 head_dim)
+        shape = (num_blocks + num_padding_blocks(graph_sizes, block_size), block_size, dims.num_kv_heads,
+                 dims.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
                            torch.zeros(shape, dtype=dtype, device=self.device))
-                          for _ in range(config.num_hidden_layers)]
+                          for _ in range(dims.num_layers)]
         self.decode_graphs = DecodeGraphs(self, graph_sizes, max_blocks_per_seq, num_blocks,
                                           capture=cuda_graphs == "on") if graph_sizes else None
 
@@ -131,8 +131,7 @@ class Runner:
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+        return ModelDims.of(config).kv_bytes_per_token(dtype)
 
     def prepare(self, token_ids: np.ndarray, block_table: np.ndarray, slots: np.ndarray,
                 starts: np.ndarray, query_lens: np.ndarray, samples: np.ndarray) -> StepInputs:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.bus import EventLog
 
-from batchtop.engine.core.config import MAX_BATCHED_TOKENS_LIMIT, EngineConfig
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.knobs import KNOBS
 from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.request import Status
 from batchtop.engine.core.sampling import SamplingParams
@@ -38,11 +39,16 @@ VALID_VALUES = {
     "batching_mode": ("continuous", "continuous", "static", "dynamic"),
     "preemption_mode": ("recompute", "retract"),
 }
-INVALID_VALUES = (
-    ("max_num_seqs", 0), ("max_num_seqs", BATCH_CAPACITY + 1), ("max_num_seqs", "many"), ("max_num_seqs", 2.5),
-    ("max_num_seqs", True), ("max_num_seqs", None), ("max_num_batched_tokens", 0),
-    ("max_num_batched_tokens", MAX_BATCHED_TOKENS_LIMIT + 1), ("long_prefill_token_threshold", -1),
-    ("static_batch_size", 0), ("batching_mode", "turbo"), ("preemption_mode", "swap"),
+
+
+def _beyond_each_knob(capacity: int) -> tuple:
+    """For every knob of the table: just below and just above its range, or a choice it lacks."""
+    return tuple(pair for k in KNOBS.values() for pair in (
+        ((k.name, "turbo"),) if k.choices else ((k.name, k.low - 1), (k.name, k.upper(capacity) + 1))))
+
+
+INVALID_VALUES = _beyond_each_knob(BATCH_CAPACITY) + (
+    ("max_num_seqs", "many"), ("max_num_seqs", 2.5), ("max_num_seqs", True), ("max_num_seqs", None),
     ("dynamic_timeout_s", -0.1), ("dynamic_timeout_s", "soon"), ("dynamic_timeout_s", math.nan),
     ("dynamic_timeout_s", math.inf), ("no_such_knob", 1),
 )

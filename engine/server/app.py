@@ -31,6 +31,7 @@ from batchtop.telemetry import flight
 from batchtop.telemetry.stream import (SSE_HEADERS, BearerAuth, EventRing, bind_socket, check_bind, error_body,
                                        events_response)
 
+from batchtop.engine.core.knobs import KNOBS, ranges
 from batchtop.engine.core.loop import EngineLoop
 from batchtop.engine.core.sampling import SamplingParams
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
@@ -318,14 +319,15 @@ class BatchtopServer:
     # -- control ----------------------------------------------------------------------------
 
     def knobs(self) -> dict:
-        return {"knobs": dict(self.engine.knobs()), "paused": self.paused,
+        return {"knobs": dict(self.engine.knobs()), "ranges": ranges(self.engine.batch.capacity),
+                "paused": self.paused,
                 "block_size": self.engine.config.block_size, "num_kv_blocks": self.engine.kv.num_blocks,
                 "max_model_len": self.engine.max_model_len, "model": self.model_name}
 
     def set_knob(self, update: KnobUpdate) -> dict:
         error = self.loop.set_knob(update.name, update.value, "api")
         if error is not None:
-            param = "name" if error.startswith("unknown knob") else "value"
+            param = "value" if update.name in KNOBS else "name"
             raise ApiError(400, error, param=param, code="invalid_knob")
         return {"name": update.name, "value": self.engine.validate_knob(update.name, update.value),
                 "applied": "before the next step"}

@@ -10,6 +10,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from batchtop.engine.core.knobs import KNOBS
 from batchtop.telemetry.stream import error_body
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1       # torch.Generator.manual_seed's range
@@ -67,9 +68,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class KnobUpdate(BaseModel):
+    """Checked by the knob table (engine/core/knobs.py) on its way to the engine, not here: a refusal
+    then names the allowed values in the engine's words."""
     model_config = ConfigDict(extra="forbid")
-    name: str
-    value: Union[bool, int, float, str]
+    name: str = Field(..., description="one of " + ", ".join(KNOBS))
+    value: Union[bool, int, float, str] = Field(..., description="GET /v1/knobs: `ranges` says what each knob takes")
 
 
 def message_text(content) -> str:

@@ -81,7 +81,7 @@ def test_continuous_batching_wastes_no_row_steps(tiny):
 def test_dynamic_batch_forms_when_full_or_after_timeout(tiny):
     events = []
     engine = make_engine(tiny, events, batching_mode="dynamic", static_batch_size=4, max_num_seqs=4,
-                         dynamic_timeout_s=3600)
+                         dynamic_timeout_s=60)
     for i in range(3):
         engine.add_request([5 + i], SamplingParams(max_tokens=3, ignore_eos=True))
     assert engine.step() == [] and engine.step_count == 0, "3 of 4 waiting: the batch keeps filling"

@@ -1,0 +1,78 @@
+"""The knob table (engine/core/knobs.py) drives its readers: the engine, EngineConfig, the HTTP API,
+the dashboard's keys and docs/server.md all refuse, offer and state what the table says."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.knobs import KNOBS, markdown_table
+from batchtop.tui import app as tui_app
+from batchtop.tui.sources import ENGINE_KNOBS, LOAD_KNOBS
+
+CAPACITY = EngineConfig().batch_capacity     # the served engine's (tests/server/conftest.py)
+DOCS = Path(__file__).parents[2] / "docs" / "server.md"
+
+
+def out_of_range(knob) -> list:
+    if knob.choices:
+        return ["turbo", 7]
+    return [knob.low - 1, knob.upper(CAPACITY) + 1, "lots"]
+
+
+def edges(knob) -> list:
+    return list(knob.choices) if knob.choices else [knob.low, knob.upper(CAPACITY)]
+
+
+REFUSED = [(name, value) for name, knob in KNOBS.items() for value in out_of_range(knob)]
+ALLOWED = [(name, value) for name, knob in KNOBS.items() for value in edges(knob)]
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        yield client
+
+
+@pytest.mark.parametrize("name, value", REFUSED)
+def test_engine_config_and_api_refuse_with_the_tables_message(served, http, name, value):
+    engine = served[0].engine
+    assert engine.batch.capacity == CAPACITY
+    with pytest.raises(ValueError) as refused:
+        engine.validate_knob(name, value)
+    message = str(refused.value)
+    assert message == f"{name} must be {KNOBS[name].describe(CAPACITY)}, got {value!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(model="tiny", **{name: value})
+    response = http.post("/v1/knobs", json={"name": name, "value": value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["message"], error["param"], error["code"]) == (message, "value", "invalid_knob")
+
+
+@pytest.mark.parametrize("name, value", ALLOWED)
+def test_the_range_edges_are_allowed_everywhere(served, name, value):
+    assert served[0].engine.validate_knob(name, value) == value
+    assert getattr(EngineConfig(model="tiny", **{name: value}), name) == value
+
+
+def test_api_lists_every_knob_with_its_range(http):
+    state = http.get("/v1/knobs").json()
+    assert list(state["knobs"]) == list(KNOBS)
+    assert state["ranges"] == {name: knob.describe(CAPACITY) for name, knob in KNOBS.items()}
+
+
+def test_dashboard_sets_the_tables_dashboard_knobs_with_its_choices():
+    assert ENGINE_KNOBS == tuple(name for name, knob in KNOBS.items() if knob.dashboard)
+    assert tui_app.BATCHING_MODES == KNOBS["batching_mode"].choices
+    actions = " ".join(binding.action for binding in tui_app.BatchtopApp.BINDINGS)
+    keyed = set(re.findall(r"(?:knob_step|cycle_knob)\('(\w+)'", actions))
+    assert keyed & set(ENGINE_KNOBS) and keyed <= set(ENGINE_KNOBS + LOAD_KNOBS)
+    assert set(tui_app.KNOB_ALIASES.values()) <= set(ENGINE_KNOBS + LOAD_KNOBS)
+
+
+def test_docs_state_the_tables_ranges():
+    assert markdown_table() in DOCS.read_text()
