@@ -8,19 +8,20 @@
 Backends: `torch` (reference; the CPU path) and `triton` (CUDA, or the CPU under
 `TRITON_INTERPRET=1`). `auto` picks triton for CUDA tensors and torch otherwise. The environment
 variable BATCHTOP_ATTENTION_BACKEND, when set, overrides whatever `select_backend` chose.
-The triton module is imported on first use, so importing this package never imports triton.
+Importing this package imports neither torch nor triton (the command line reads `BACKENDS`):
+the torch reference is imported on first use, the triton module on first use of triton.
 """
 
 from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from batchtop.kernels import attention_torch
-from .attention_torch import AttentionMetadata
-from .shapes import check_metadata_inputs
+    from .attention_torch import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
@@ -50,6 +51,7 @@ def select_backend(name: str) -> str:
 
 def resolve_backend(device: torch.device | str) -> str:
     """The concrete backend (`torch` or `triton`) that calls on tensors on `device` will use."""
+    import torch
     name = _requested()
     if name == "auto":
         return "triton" if torch.device(device).type == "cuda" else "torch"
@@ -71,6 +73,8 @@ def attention_metadata_from_lengths(
     """The triton backend's metadata from lengths the caller already knows on the host. Nothing is read
     back (no device sync; it can be built while a CUDA graph captures), so the values are trusted, not
     checked: `max_seq_len` may be an upper bound, `num_tokens` must be `query_start_loc[-1]`."""
+    from .attention_torch import AttentionMetadata
+    from .shapes import check_metadata_inputs
     check_metadata_inputs(query_start_loc, seq_lens, block_table, block_size)
     if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous() and block_table.stride(1) == 1):
         raise ValueError("query_start_loc, seq_lens and block_table rows must be contiguous for triton")
@@ -115,7 +119,16 @@ def _check_name(name: str, where: str) -> str:
 
 def _impl(device: torch.device) -> ModuleType:
     if resolve_backend(device) == "torch":
+        from batchtop.kernels import attention_torch
         return attention_torch
     from batchtop.kernels import attention_triton  # deferred: triton reads TRITON_INTERPRET when kernels are defined
 
     return attention_triton
+
+
+def __getattr__(name: str):
+    """`kernels.AttentionMetadata`, imported (with torch) when first asked for."""
+    if name == "AttentionMetadata":
+        from .attention_torch import AttentionMetadata
+        return AttentionMetadata
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
