@@ -10,12 +10,20 @@ Three layouts keep the mirror in three ways and each reports what it paid per st
   built fresh (decode rows before prefill rows).
 - gather: the rows are rebuilt every step as fresh arrays by filter (kept rows) and merge
   (added rows) — the membership change costs a copy of every kept row.
+
+Each step `apply` follows the scheduler's plan (vLLM's `_update_states`) and hands back the
+step's rows in the layout's batch order, as the arrays the runner's `prepare` takes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCacheManager
+    from .scheduler_output import Row, SchedulerOutput
 
 LAYOUTS = ("condense", "indexmap", "gather")
 TOKEN_BYTES = 4
@@ -39,6 +47,19 @@ class Update:
     moves: tuple[Move, ...] = ()          # condense: rows slid into holes
     renumbered: tuple[Move, ...] = ()     # gather: kept rows that landed at a new index in the rebuilt arrays
     num_bytes: int = 0
+
+
+@dataclass
+class BatchStep:
+    """The persistent batch's side of one step: the membership change and the rows to compute."""
+    update: Update
+    left_slots: list[int]                 # the slot of each of the plan's `left` before it left (-1: none)
+    grown: list[tuple[str, int, int]]     # (request_id, new blocks, blocks held) of rows whose blocks grew
+    rows: list[Row]                       # the plan's rows in batch order
+    slots: np.ndarray                     # per row of `rows`: its slot, first position, query length,
+    starts: np.ndarray                    # and whether it samples
+    query_lens: np.ndarray
+    samples: np.ndarray
 
 
 class PersistentBatch:
@@ -159,12 +180,51 @@ class PersistentBatch:
         self.slot_of = {rid: i for i, rid in enumerate(request_ids)}
         return bytes_copied, tuple(renumbered)
 
+    # -- one step -------------------------------------------------------------------------
+
+    def apply(self, plan: SchedulerOutput, kv: KVCacheManager) -> BatchStep:
+        """Follow one plan: the rows in `plan.left` leave, the admitted join, the layout repairs; then the
+        block tables of the plan's rows catch up with `kv`, and the rows are put in batch order."""
+        slot_of = self.slot_of
+        left_slots = [slot_of.get(gone.request.request_id, -1) for gone in plan.left]
+        update = self.update([gone.request.request_id for gone in plan.left],
+                             [(r.request_id, r.prompt_token_ids + r.output_token_ids) for r in plan.admitted])
+        grown = self._sync_block_tables(plan.rows, kv)
+        return BatchStep(update, left_slots, grown, *self._batch_order(plan.rows))
+
+    def _sync_block_tables(self, rows: list[Row], kv: KVCacheManager) -> list[tuple[str, int, int]]:
+        grown = []
+        for row in rows:
+            request_id = row.request.request_id
+            block_ids = kv.block_ids(request_id)
+            num_new = self.sync_blocks(request_id, block_ids)
+            if num_new:
+                grown.append((request_id, num_new, len(block_ids)))
+        return grown
+
+    def _batch_order(self, rows: list[Row]) -> tuple[list[Row], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The rows in the layout's batch order, with their slots, starts, query lengths and samples."""
+        slot_of = self.slot_of
+        slots = np.fromiter((slot_of[r.request.request_id] for r in rows), dtype=np.int64, count=len(rows))
+        query_lens = np.fromiter((r.num_tokens for r in rows), dtype=np.int64, count=len(rows))
+        order = self.order(slots, np.fromiter((r.kind == "decode" for r in rows), dtype=bool, count=len(rows)))
+        if not np.array_equal(order, slots):
+            position = {slot: i for i, slot in enumerate(slots.tolist())}
+            rows = [rows[position[s]] for s in order.tolist()]
+            slots, query_lens = order, query_lens[[position[s] for s in order.tolist()]]
+        starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
+        samples = np.fromiter((r.samples for r in rows), dtype=bool, count=len(rows))
+        return rows, slots, starts, query_lens, samples
+
     # -- per-step row state -------------------------------------------------------------
 
-    def append_token(self, request_id: str, token_id: int) -> None:
-        slot = self.slot_of[request_id]
-        self.token_ids[slot, self.num_tokens[slot]] = token_id
-        self.num_tokens[slot] += 1
+    def append_tokens(self, rows: list[Row], token_ids: list[int]) -> None:
+        """Write each sampling row's new token after its known tokens."""
+        slot_of = self.slot_of
+        for row, token_id in zip(rows, token_ids):
+            slot = slot_of[row.request.request_id]
+            self.token_ids[slot, self.num_tokens[slot]] = token_id
+            self.num_tokens[slot] += 1
 
     def sync_blocks(self, request_id: str, block_ids: list[int]) -> int:
         """Append the blocks the KV manager gave the request since the last sync; how many."""

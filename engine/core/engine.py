@@ -1,11 +1,15 @@
-"""The engine: requests in, one step at a time (schedule → prepare → forward → sample → update), events out."""
+"""The engine: requests in, one step at a time, events out.
+
+A step is schedule → execute → update: the scheduler plans, the persistent batch follows the plan,
+the runner computes the rows and the sampler picks their tokens, the scheduler takes the output.
+StepEvents watches each step; knob changes and requests arrive between steps (engine thread).
+"""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -16,17 +20,18 @@ from batchtop.telemetry import events as ev
 from batchtop.telemetry.flight import FlightRecorder
 
 from .admission import Blocked
-from .batch import PersistentBatch
+from .batch import BatchStep, PersistentBatch
 from .kv_cache import KVCacheManager
 from .config import EngineConfig
 from .knobs import KNOBS, knob
 from batchtop.engine.model.loading import LoadedModel, load_model
 from .request import Request, Status
+from batchtop.engine.model.dims import ModelDims
 from batchtop.engine.model.runner import Runner
 from .sampling import Sampler, SamplingParams
-from .scheduler import Row, Scheduler, SchedulerKnobs
-
-Sink = Callable[[ev.Event], None]
+from .scheduler import Scheduler, SchedulerKnobs
+from .scheduler_output import Row, SchedulerOutput, StepResult
+from .step_events import Sink, StepEvents, StepTimes
 
 
 @dataclass
@@ -50,6 +55,15 @@ class Completion:
     num_preemptions: int
 
 
+@dataclass
+class Executed:
+    """One step's forward pass and sampling."""
+    sampled: list[Row]           # the rows that sampled, in batch order
+    token_ids: list[int]         # one per sampled row
+    num_tokens: int              # computed, static padding rows included
+    num_padded_tokens: int       # computed only to fill a replayed CUDA graph
+
+
 class Engine:
     def __init__(self, config: EngineConfig, sink: Sink | None = None, loaded: LoadedModel | None = None):
         self.config = config
@@ -71,13 +85,13 @@ class Engine:
         model_config = self.loaded.model.config
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
         num_blocks = config.num_kv_blocks or max(1, int(
-            config.kv_cache_mb * 2**20 // (Runner.kv_bytes_per_token(model_config, dtype) * config.block_size)))
+            config.kv_cache_mb * 2**20 // (ModelDims.of(model_config).kv_bytes_per_token(dtype) * config.block_size)))
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerKnobs(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold,
                            config.batching_mode, config.static_batch_size, config.dynamic_timeout_s,
                            config.preemption_mode),
-            self.kv, config.policy)
+            self.kv, config.policy, frozenset(self.loaded.eos_token_ids))
         self._pending_batching_mode: tuple[str, str] | None = None   # (mode, source) until a batch boundary
         self.batch = PersistentBatch(config.layout, config.batch_capacity, self.max_model_len,
                                      -(-self.max_model_len // config.block_size))
@@ -85,12 +99,10 @@ class Engine:
                              max_rows=config.batch_capacity, max_blocks_per_seq=self.batch.block_table.shape[1])
         self.kernel_note = _kernel_note(device, dtype)
         self.sampler = Sampler()
-        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.events = StepEvents(self._sink, self.scheduler, self.batch, self.kv, config.snapshot_interval_steps)
         self.vocab_size = int(model_config.vocab_size)
         self.step_count = 0
         self.requests: dict[str, Request] = {}
-        self._retired_from_batch: list[str] = []    # leave the persistent batch at the next step
-        self._blocked_key: tuple[str, str] | None = None   # of the last AdmissionBlocked
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -102,21 +114,7 @@ class Engine:
 
     def snapshot(self, cause: str) -> ev.EngineSnapshot:
         """The whole request state as one event: running (running order), padding rows, waiting (queue order)."""
-        scheduler, slot_of, kv = self.scheduler, self.batch.slot_of, self.kv
-        members = ([(r, "running") for r in scheduler.running] + [(r, "padding") for r in scheduler.padding]
-                   + [(r, r.status.value) for r in scheduler.waiting])
-        requests = [r for r, _ in members]
-        return ev.EngineSnapshot(
-            step=self.step_count, t=time.monotonic(), cause=cause,
-            request_ids=tuple(r.request_id for r in requests),
-            statuses=tuple(status for _, status in members),
-            slots=tuple(slot_of.get(r.request_id, -1) for r in requests),
-            num_prompt_tokens=tuple(r.num_prompt_tokens for r in requests),
-            num_output_tokens=tuple(r.num_output_tokens for r in requests),
-            num_computed_tokens=tuple(r.num_computed_tokens for r in requests),
-            num_blocks=tuple(kv.num_blocks_held(r.request_id) for r in requests),
-            max_tokens=tuple(r.sampling.max_tokens for r in requests),
-            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks)
+        return self.events.snapshot(self.step_count, cause)
 
     def emit_snapshot(self, cause: str = "request") -> None:
         """Between steps (engine thread): publish the state, so a consumer that missed events resyncs."""
@@ -184,29 +182,25 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return False
-        slot = self.batch.slot_of.get(request_id, -1)
-        self._retire(request, "abort", slot)
+        self._retire(request, "abort")
         return True
-
-    def _retire(self, request: Request, reason: str, slot: int) -> None:
-        request.finish_time = time.monotonic()
-        queued = request.status in (Status.WAITING, Status.PREEMPTED)
-        self.sampler.forget(request.request_id)
-        if self.scheduler.finish(request, reason, request.finish_time) and slot >= 0:
-            self._retired_from_batch.append(request.request_id)
-        wait_reasons, wait_s = request.wait_split if queued else ((), ())
-        self._emit(ev.RequestRetired, request_id=request.request_id, reason=reason, slot=slot,
-                   num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-                   num_blocks=self.kv.num_blocks_held(request.request_id), wait_reasons=wait_reasons, wait_s=wait_s)
 
     def fail_running(self) -> list[RequestOutput]:
         """A step raised (its StepFailed is out): retire every running request with reason `error`
         so the engine can go on."""
         outputs = []
         for request in list(self.scheduler.running):
-            self._retire(request, "error", self.batch.slot_of.get(request.request_id, -1))
+            self._retire(request, "error")
             outputs.append(RequestOutput(request.request_id, [], True, "error"))
         return outputs
+
+    def _retire(self, request: Request, reason: str) -> None:
+        """Retire a request between steps; its row (if any) leaves the batch with the next plan."""
+        queued = request.status in (Status.WAITING, Status.PREEMPTED)
+        slot = self.batch.slot_of.get(request.request_id, -1)
+        self.sampler.forget(request.request_id)
+        self.scheduler.finish(request, reason, time.monotonic())
+        self.events.retired(self.step_count, request, reason, slot, queued)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -230,155 +224,58 @@ class Engine:
                 "device": self.config.device}
 
     def _step(self) -> list[RequestOutput]:
+        times = StepTimes()
+        plan = self._schedule()
+        if plan is None:
+            return []
+        times.scheduled = time.perf_counter()
+        batch_step = self.batch.apply(plan, self.kv)
+        self.events.planned(self.step_count, plan, batch_step)
+        if not batch_step.rows:
+            return []
+        executed = self._execute(batch_step, times)
+        result = self.scheduler.update_from_output(batch_step.rows, executed.sampled, executed.token_ids,
+                                                   time.monotonic())
+        times.updated = time.perf_counter()
+        self.events.finished(self.step_count, batch_step, executed, result, times)
+        return self._outputs(result)
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """The step's plan, counted; None when there is no step (nothing to do, or a dynamic batch
+        waiting to fill)."""
         if not self.scheduler.has_work():
-            return []
+            return None
         self._apply_pending_batching_mode()
-        t0 = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
-        if not (plan.rows or plan.admitted or plan.preempted or plan.released):
-            self._note_blocked(plan.blocked)      # a dynamic batch waiting to fill: not a step
-            return []
+        if not plan.is_step:
+            self.events.blocked(self.step_count, plan.blocked)
+            return None
         self.step_count += 1
-        t_schedule = time.perf_counter()
-        self._update_batch(plan)
-        rows = plan.rows
-        if self._sink is not None:
-            self._emit_plan(plan)
-            self._note_blocked(plan.blocked)
-        if not rows:
-            return []
-        arrays = self._row_arrays(rows)
-        inputs = self.runner.prepare(self.batch.token_ids, self.batch.block_table, *arrays)
-        t_prepare = time.perf_counter()
+        return plan
+
+    def _execute(self, batch_step: BatchStep, times: StepTimes) -> Executed:
+        """Prepare the rows' flat batch, run the model, sample the rows that caught up, and write their
+        tokens into the persistent batch."""
+        inputs = self.runner.prepare(self.batch.token_ids, self.batch.block_table, batch_step.slots,
+                                     batch_step.starts, batch_step.query_lens, batch_step.samples)
+        times.prepared = time.perf_counter()
         logits = self.runner.forward(inputs)
-        t_forward = time.perf_counter()
-        sampling_rows = [rows[i] for i in np.flatnonzero(arrays[-1])]
-        tokens = self.sampler.sample(logits, [(r.request.request_id, r.request.sampling) for r in sampling_rows])
-        t_sample = time.perf_counter()
-        outputs = self._update(rows, sampling_rows, tokens)
-        t_update = time.perf_counter()
-        if self._sink is not None:
-            self._emit(ev.StepFinished, num_rows=len(rows), num_tokens=inputs.num_actual_tokens,
-                       sampled_request_ids=tuple(r.request.request_id for r in sampling_rows),
-                       num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                       kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
-                       schedule_s=t_schedule - t0, prepare_s=t_prepare - t_schedule, forward_s=t_forward - t_prepare,
-                       sample_s=t_sample - t_forward, update_s=t_update - t_sample,
-                       num_padded_tokens=inputs.num_padded_tokens)
-            interval = self.config.snapshot_interval_steps
-            if interval and self.step_count % interval == 0:
-                self.emit_snapshot("interval")
-        return outputs
+        times.forwarded = time.perf_counter()
+        rows = batch_step.rows
+        sampled = [rows[i] for i in np.flatnonzero(batch_step.samples)]
+        token_ids = self.sampler.sample(logits, [(r.request.request_id, r.request.sampling) for r in sampled])
+        self.batch.append_tokens(sampled, token_ids)
+        times.sampled = time.perf_counter()
+        return Executed(sampled, token_ids, inputs.num_actual_tokens, inputs.num_padded_tokens)
 
-    def _note_blocked(self, blocked) -> None:
-        """AdmissionBlocked when what stops the head of the queue (reason or head) changed."""
-        key = blocked.key if blocked is not None else None
-        if key == self._blocked_key:
-            return
-        self._blocked_key = key
-        if blocked is not None:
-            self._emit(ev.AdmissionBlocked, **dataclasses.asdict(blocked))
-
-    def _update_batch(self, plan) -> None:
-        """Mirror the scheduler's running set in the persistent batch, then sync block tables."""
-        removed = (self._retired_from_batch + [r.request_id for r, _, _ in plan.preempted]
-                   + [r.request_id for r, _ in plan.released])
-        self._retired_from_batch = []
-        slot_of = self.batch.slot_of
-        for request, blocks_freed, tokens in plan.preempted:     # their slots, before the batch forgets them
-            slot = slot_of.get(request.request_id, -1)
-            if plan.retracting:
-                self._emit(ev.RequestRetracted, request_id=request.request_id, slot=slot, blocks_freed=blocks_freed,
-                           tokens_to_recompute=tokens, new_token_ratio=plan.new_token_ratio)
-            else:
-                self._emit(ev.RequestPreempted, request_id=request.request_id, slot=slot, blocks_freed=blocks_freed,
-                           tokens_to_recompute=tokens, reason="kv pool exhausted")
-        for request, blocks_freed in plan.released:
-            self._emit(ev.PaddingReleased, request_id=request.request_id, slot=slot_of.get(request.request_id, -1),
-                       blocks_freed=blocks_freed)
-        update = self.batch.update(removed, [(r.request_id, r.prompt_token_ids + r.output_token_ids)
-                                             for r in plan.admitted])
-        for request in plan.admitted:
-            reasons, seconds = request.wait_split
-            self._emit(ev.RequestAdmitted, request_id=request.request_id, slot=slot_of[request.request_id],
-                       num_computed_tokens=request.num_computed_tokens, resumed=request.num_preemptions > 0,
-                       wait_reasons=reasons, wait_s=seconds)
-        for move in update.moves + update.renumbered:
-            self._emit(ev.RowMoved, request_id=move.request_id, from_slot=move.from_slot, to_slot=move.to_slot,
-                       num_bytes=move.num_bytes)
-        if removed or plan.admitted:
-            self._emit(ev.BatchRebuilt, layout=self.batch.layout, rows_kept=update.rows_kept,
-                       rows_added=update.rows_added, rows_removed=update.rows_removed, rows_moved=len(update.moves),
-                       num_bytes=update.num_bytes)
-        for row in plan.rows:
-            request_id = row.request.request_id
-            block_ids = self.kv.block_ids(request_id)
-            num_new = self.batch.sync_blocks(request_id, block_ids)
-            if num_new:
-                self._emit(ev.BlocksAllocated, request_id=request_id, num_new_blocks=num_new,
-                           num_blocks=len(block_ids))
-
-    def _row_arrays(self, rows: list[Row]):
-        """Rows in the layout's batch order as arrays: slots, starts, query lengths, samples."""
-        slot_of = self.batch.slot_of
-        slots = np.fromiter((slot_of[r.request.request_id] for r in rows), dtype=np.int64, count=len(rows))
-        query_lens = np.fromiter((r.num_tokens for r in rows), dtype=np.int64, count=len(rows))
-        order = self.batch.order(slots, np.fromiter((r.kind == "decode" for r in rows), dtype=bool, count=len(rows)))
-        if not np.array_equal(order, slots):
-            position = {slot: i for i, slot in enumerate(slots.tolist())}
-            rows[:] = [rows[position[s]] for s in order.tolist()]
-            slots, query_lens = order, query_lens[[position[s] for s in order.tolist()]]
-        starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
-        samples = np.fromiter((r.samples for r in rows), dtype=bool, count=len(rows))
-        return slots, starts, query_lens, samples
-
-    def _update(self, rows: list[Row], sampling_rows: list[Row], tokens: list[int]) -> list[RequestOutput]:
-        now = time.monotonic()
-        for row in rows:
-            if row.padding:
-                continue
-            request = row.request
-            kind = row.kind                      # decided before the update
-            request.num_computed_tokens += row.num_tokens
-            if kind != "decode":
-                self._emit(ev.PrefillChunk, request_id=request.request_id, num_tokens=row.num_tokens,
-                           num_computed_tokens=request.num_computed_tokens, num_known_tokens=request.num_tokens,
-                           recompute=kind == "recompute")
+    def _outputs(self, result: StepResult) -> list[RequestOutput]:
         outputs = []
-        for row, token in zip(sampling_rows, tokens):
-            request = row.request
-            request.output_token_ids.append(token)
-            self.batch.append_token(request.request_id, token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self._emit(ev.FirstToken, request_id=request.request_id, ttft_s=now - request.arrival_time)
-            reason = self._stop_reason(request, token)
+        for sampled in result.sampled:
+            request_id, reason = sampled.request.request_id, sampled.finish_reason
             if reason is not None:
-                self._retire(request, reason, self.batch.slot_of[request.request_id])
-            outputs.append(RequestOutput(request.request_id, [token], reason is not None, reason))
+                self.sampler.forget(request_id)
+            outputs.append(RequestOutput(request_id, [sampled.token_id], reason is not None, reason))
         return outputs
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        sampling = request.sampling
-        if (token in self.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
-            return "stop"
-        if request.num_output_tokens >= sampling.max_tokens:
-            return "length"
-        return None
-
-    def _emit_plan(self, plan) -> None:
-        tokens = dict.fromkeys(ev.ROW_KINDS, 0)
-        rows = dict.fromkeys(ev.ROW_KINDS, 0)
-        for row in plan.rows:
-            kind = row.kind
-            tokens[kind] += row.num_tokens
-            rows[kind] += 1
-        self._emit(ev.StepPlanned, prefill_tokens=tokens["prefill"], recompute_tokens=tokens["recompute"],
-                   decode_tokens=tokens["decode"], num_prefill_rows=rows["prefill"],
-                   num_recompute_rows=rows["recompute"], num_decode_rows=rows["decode"],
-                   num_padding_rows=rows["padding"], token_budget=plan.token_budget,
-                   num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                   kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks)
 
     # -- knobs ------------------------------------------------------------------------------
 
@@ -427,8 +324,8 @@ class Engine:
         self.scheduler.note_paused(time.monotonic(), paused)
         self._emit(ev.EnginePaused if paused else ev.EngineResumed)
         waiting = self.scheduler.waiting
-        self._note_blocked(Blocked("paused", waiting[0].request_id, len(waiting), len(self.scheduler.running))
-                           if paused and waiting else None)
+        self.events.blocked(self.step_count, Blocked("paused", waiting[0].request_id, len(waiting),
+                                                     len(self.scheduler.running)) if paused and waiting else None)
 
     # -- blocking convenience ----------------------------------------------------------------
 

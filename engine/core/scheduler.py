@@ -3,18 +3,21 @@
 There is no prefill phase and no decode phase. A request has known tokens (prompt +
 output) and computed tokens; each step hands out tokens from `max_num_batched_tokens`
 so computed catches up with known. Prefill, chunked prefill and decode are one case.
+After the forward pass `update_from_output` appends the sampled tokens and retires whoever
+stopped; each plan lists the requests that left the persistent batch since the last one.
 """
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 
 from .admission import NEXT_STEP, Blocked, WaitClock
 from .knobs import POLICIES
 from .kv_cache import KVCacheManager
 from .request import Request, Status
+from .scheduler_output import (PADDING_RELEASED, PREEMPTED, RETRACTED, Chunk, LeftBatch, Row, SampledToken,
+                               SchedulerOutput, StepResult)
 
 
 @dataclass
@@ -38,65 +41,22 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 RETRACT_DECODE_STEPS = 20
 
 
-@dataclass
-class Row:
-    request: Request
-    num_tokens: int
-    padding: bool = False        # static batching: a finished row computed again, its result thrown away
-
-    @cached_property
-    def kind(self) -> str:
-        """prefill | recompute | decode | padding (telemetry.events.ROW_KINDS), the one definition used
-        by the engine, StepPlanned and PrefillChunk. Read it before the step updates the request.
-        decode: the row computes only the newest output token; recompute: any other row of a request
-        that was preempted (it computes again what it had); prefill: the rest."""
-        if self.padding:
-            return "padding"
-        request = self.request
-        if self.num_tokens == 1 and request.num_output_tokens and request.num_tokens_to_compute == 1:
-            return "decode"
-        return "recompute" if request.num_preemptions else "prefill"
-
-    @property
-    def samples(self) -> bool:
-        """True when this row's tokens bring the request level with its known tokens."""
-        return not self.padding and self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
-
-    @property
-    def start(self) -> int:
-        """First position computed: a padding row recomputes its last computed position."""
-        return self.request.num_computed_tokens - 1 if self.padding else self.request.num_computed_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    rows: list[Row] = field(default_factory=list)      # running order
-    admitted: list[Request] = field(default_factory=list)
-    preempted: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, blocks freed, tokens to recompute)
-    released: list[tuple[Request, int]] = field(default_factory=list)   # (padding row whose batch ended, blocks freed)
-    token_budget: int = 0
-    retracting: bool = False     # preempted rows were retracted (new_token_ratio rose)
-    new_token_ratio: float = 0.0
-    blocked: Blocked | None = None   # what stopped admission at the head of the queue; None: nobody waits
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(row.num_tokens for row in self.rows)
-
-
 class Scheduler:
-    def __init__(self, knobs: SchedulerKnobs, kv: KVCacheManager, policy: str = "fcfs"):
+    def __init__(self, knobs: SchedulerKnobs, kv: KVCacheManager, policy: str = "fcfs",
+                 eos_token_ids: frozenset[int] = frozenset()):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.knobs = knobs
         self.kv = kv
         self.policy = policy
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.padding: list[Request] = []        # finished members of the current static batch
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.wait_clock = WaitClock()
         self._now = 0.0                         # the time of the step being scheduled
+        self._left: list[LeftBatch] = []        # retired from the batch since the last plan that was a step
 
     # -- queues -------------------------------------------------------------------
 
@@ -138,10 +98,11 @@ class Scheduler:
         self._now = now
         out = SchedulerOutput(token_budget=self.knobs.max_num_batched_tokens)
         if self.padding and not self.running:
-            out.released = self._end_static_batch()
+            out.left = self._end_static_batch()
         budget = self._schedule_running(out, out.token_budget)
+        preempted = any(gone.preempted for gone in out.left)
         # A step that had to take memory away from someone admits nobody new.
-        if out.preempted:
+        if preempted:
             out.blocked = self._blocked("preemption")
         elif self._may_admit(now):
             out.blocked = self._schedule_waiting(out, budget)
@@ -151,11 +112,11 @@ class Scheduler:
             out.blocked = None
         self.wait_clock.set(now, out.blocked.reason if out.blocked else NEXT_STEP)
         out.rows += [Row(r, 1, padding=True) for r in self.padding]
-        if self.knobs.preemption_mode == "retract":
-            if not out.preempted:
-                self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-            out.retracting = bool(out.preempted)
+        if self.knobs.preemption_mode == "retract" and not preempted:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         out.new_token_ratio = self.new_token_ratio
+        if out.is_step:             # a plan that is no step is dropped: its leavers wait for the next
+            out.left[:0], self._left = self._left, []
         return out
 
     def _may_admit(self, now: float) -> bool:
@@ -187,10 +148,10 @@ class Scheduler:
     def _static_batch_size(self) -> int:
         return min(self.knobs.static_batch_size, self.knobs.max_num_seqs)
 
-    def _end_static_batch(self) -> list[tuple[Request, int]]:
+    def _end_static_batch(self) -> list[LeftBatch]:
         """The longest row of the static batch finished: its padding rows give their blocks back."""
         released, self.padding = self.padding, []
-        return [(request, self.kv.free(request.request_id)) for request in released]
+        return [LeftBatch(request, PADDING_RELEASED, self.kv.free(request.request_id)) for request in released]
 
     def _chunk(self, request: Request, budget: int) -> int:
         num_tokens = min(request.num_tokens_to_compute, budget)
@@ -284,8 +245,9 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.status = Status.PREEMPTED
         self._enqueue(victim, front=True, now=self._now)
-        out.preempted.append((victim, blocks_freed, tokens_to_recompute))
-        if self.knobs.preemption_mode == "retract":
+        retract = self.knobs.preemption_mode == "retract"
+        out.left.append(LeftBatch(victim, RETRACTED if retract else PREEMPTED, blocks_freed, tokens_to_recompute))
+        if retract:
             self._raise_new_token_ratio()
 
     def _raise_new_token_ratio(self) -> None:
@@ -297,18 +259,62 @@ class Scheduler:
 
     # -- after the forward pass ------------------------------------------------------
 
+    def update_from_output(self, rows: list[Row], sampled: list[Row], token_ids: list[int],
+                           now: float) -> StepResult:
+        """After the forward pass: computed tokens catch up, then each sampling row (`sampled`, the rows
+        whose `samples` was true before this call, with `token_ids`) gets its token and may retire.
+        `rows` in batch order; the step's result in that order."""
+        chunks = self._advance(rows)
+        return StepResult(chunks, [self._append(row.request, token_id, now)
+                                   for row, token_id in zip(sampled, token_ids)])
+
+    def _advance(self, rows: list[Row]) -> list[Chunk]:
+        chunks = []
+        for row in rows:
+            if row.padding:
+                continue
+            request = row.request
+            kind = row.kind                      # decided before the update
+            request.num_computed_tokens += row.num_tokens
+            if kind != "decode":
+                chunks.append(Chunk(request.request_id, row.num_tokens, request.num_computed_tokens,
+                                    request.num_tokens, kind == "recompute"))
+        return chunks
+
+    def _append(self, request: Request, token_id: int, now: float) -> SampledToken:
+        request.output_token_ids.append(token_id)
+        first = request.first_token_time is None
+        if first:
+            request.first_token_time = now
+        reason = self._stop_reason(request, token_id)
+        if reason is not None:
+            self.finish(request, reason, now)
+        return SampledToken(request, token_id, first, reason)
+
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        sampling = request.sampling
+        if (token_id in self.eos_token_ids and not sampling.ignore_eos) or token_id in sampling.stop_token_ids:
+            return "stop"
+        if request.num_output_tokens >= sampling.max_tokens:
+            return "length"
+        return None
+
     def finish(self, request: Request, reason: str, now: float = 0.0) -> bool:
-        """Retire a request. True when it leaves the batch now; False when it stays as a static padding
-        row (its blocks held) until the longest row of its batch finishes."""
-        stays_as_padding = (self.knobs.batching_mode != "continuous" and reason not in ("abort", "error")
-                            and request.status is Status.RUNNING)
+        """Retire a request at `now`. True when it leaves the batch now (a running one is in the next
+        plan's `left`); False when it stays as a static padding row (its blocks held) until the longest
+        row of its batch finishes."""
+        running = request.status is Status.RUNNING
+        stays_as_padding = self.knobs.batching_mode != "continuous" and reason not in ("abort", "error") and running
         if stays_as_padding:
             self.running.remove(request)
             self.padding.append(request)
         else:
             self.remove(request, now)
+            if running:
+                self._left.append(LeftBatch(request, reason))
         request.status = Status.FINISHED
         request.finish_reason = reason
+        request.finish_time = now
         return not stays_as_padding
 
 

@@ -129,10 +129,6 @@ class Runner:
             return ()
         return capture_sizes(max_rows)
 
-    @staticmethod
-    def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-        return ModelDims.of(config).kv_bytes_per_token(dtype)
-
     def prepare(self, token_ids: np.ndarray, block_table: np.ndarray, slots: np.ndarray,
                 starts: np.ndarray, query_lens: np.ndarray, samples: np.ndarray) -> StepInputs:
         """Flatten rows into one ragged batch, vectorised over rows.

@@ -114,7 +114,7 @@ def test_no_admission_in_a_step_that_preempted():
     sched.add(make_request("c", 3, 8))
     run_step(sched, 1.0)                        # a, b, c admitted: 3 blocks, the pool is full
     plan = run_step(sched, 2.0)                 # a and b decode into position 4: second blocks, c and b out
-    assert [r.request_id for r, _, _ in plan.preempted] == ["c", "b"]
+    assert [p.request.request_id for p in plan.preempted] == ["c", "b"]
     assert fields(plan.blocked) == {"reason": "preemption", "request_id": "b", "num_waiting": 2,
                                     "num_running": 1}
 
@@ -151,7 +151,7 @@ def test_a_preempted_request_waits_again_from_its_preemption():
     sched.add(make_request("b", 4, 4, arrival=0.0))
     run_step(sched, 1.0)
     plan = run_step(sched, 2.0)                 # a needs its second block: b is preempted
-    victim = plan.preempted[0][0]
+    victim = plan.preempted[0].request
     assert victim.request_id == "b"
     t = 2.0
     while victim.status.value != "running" and t < 20:

@@ -143,7 +143,8 @@ def test_preemption_picks_latest_arrival_requeues_at_front_and_admits_nobody():
     while not any(p for p in plan.preempted):
         plan = sched.schedule()
         fake_update(sched, plan, [])
-    victim, blocks_freed, recompute = plan.preempted[0]
+    preempted = plan.preempted[0]
+    victim, blocks_freed, recompute = preempted.request, preempted.blocks_freed, preempted.tokens_to_recompute
     assert victim is b, "the latest-arriving running request is the victim"
     assert victim.status is Status.PREEMPTED and sched.waiting[0] is victim
     assert victim.num_computed_tokens == 0 and recompute > 0 and blocks_freed > 0
@@ -163,7 +164,7 @@ def test_priority_policy_preempts_lowest_priority():
     while sched.has_work() and not preempted:
         fake_update(sched, plan, [])
         plan = sched.schedule()
-        preempted = [p[0] for p in plan.preempted]
+        preempted = [p.request for p in plan.preempted]
     assert preempted == [lazy]
 
 
@@ -186,6 +187,77 @@ def test_victim_choice_by_preemption_mode(mode, expected):
         assert kv.try_allocate(request.request_id, request.num_computed_tokens) is not None
     assert kv.num_free_blocks == 0
     plan = sched.schedule()
-    assert [p[0].request_id for p in plan.preempted] == [expected]
+    assert [p.request.request_id for p in plan.preempted] == [expected]
+    assert plan.preempted[0].reason == ("retracted" if mode == "retract" else "preempted")
     if mode == "retract":
-        assert plan.retracting and sched.new_token_ratio > 0.7
+        assert sched.new_token_ratio > 0.7
+
+
+def step_with_tokens(sched: Scheduler, token_ids, now=1.0):
+    """Schedule, then hand `update_from_output` one token per sampling row (scheduler order)."""
+    plan = sched.schedule(now)
+    sampled = [row for row in plan.rows if row.samples]
+    return plan, sched.update_from_output(plan.rows, sampled, list(token_ids[:len(sampled)]), now)
+
+
+def test_update_from_output_stops_on_eos_stop_ids_and_max_tokens():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerKnobs(max_num_seqs=8, max_num_batched_tokens=64), kv, eos_token_ids=frozenset({2}))
+    params = {"eos": SamplingParams(max_tokens=5), "ignore": SamplingParams(max_tokens=5, ignore_eos=True),
+              "stop_id": SamplingParams(max_tokens=5, stop_token_ids=(9,)), "length": SamplingParams(max_tokens=1)}
+    for rid, sampling in params.items():
+        sched.add(Request(rid, [5, 6, 7], sampling, 0.0, arrival_seq=next(_seq)))
+    plan, result = step_with_tokens(sched, [2, 2, 9, 3], now=1.5)
+    assert [(s.request.request_id, s.token_id, s.first, s.finish_reason) for s in result.sampled] == [
+        ("eos", 2, True, "stop"), ("ignore", 2, True, None), ("stop_id", 9, True, "stop"), ("length", 3, True, "length")]
+    assert [(c.request_id, c.num_tokens, c.num_computed_tokens, c.num_known_tokens, c.recompute)
+            for c in result.chunks] == [(rid, 3, 3, 3, False) for rid in params]
+    ignore = plan.rows[1].request
+    assert ignore.output_token_ids == [2] and ignore.first_token_time == 1.5 and ignore.num_computed_tokens == 3
+    assert [r.request_id for r in sched.running] == ["ignore"]
+    assert kv.num_used_blocks == 1, "the retired requests' blocks are free"
+    plan, result = step_with_tokens(sched, [4], now=2.0)
+    assert [(g.request.request_id, g.reason) for g in plan.left] == [("eos", "stop"), ("stop_id", "stop"),
+                                                                     ("length", "length")]
+    assert not result.chunks and not result.sampled[0].first and ignore.first_token_time == 1.5
+    assert not sched.schedule(3.0).left, "a request leaves the batch once"
+
+
+def test_left_lists_aborts_of_running_requests_only_and_waits_for_a_step():
+    """An abort between steps reaches the next plan that is a step; a waiting request had no row."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerKnobs(4, 64, batching_mode="dynamic", static_batch_size=2, dynamic_timeout_s=60.0), kv)
+    a, b, c, d, e = (make_request(rid, 4, 4) for rid in "abcde")
+    for request in (a, b, e):
+        sched.add(request)
+    assert sched.schedule(1.0).admitted == [a, b]
+    sched.finish(e, "abort", 1.1)                 # waiting: no row to leave
+    sched.finish(a, "abort", 1.1)
+    sched.finish(b, "error", 1.1)
+    assert not sched.has_work()
+    sched.add(c)
+    plan = sched.schedule(2.0)                    # one of two waits: no step; the leavers wait too
+    assert not plan.is_step and not plan.left
+    sched.add(d)
+    plan = sched.schedule(3.0)
+    assert plan.admitted == [c, d] and [(g.request, g.reason) for g in plan.left] == [(a, "abort"), (b, "error")]
+    assert a.finish_time == 1.1 and kv.num_blocks_held("a") == 0
+
+
+def test_static_padding_rows_leave_with_their_blocks_when_the_batch_ends():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerKnobs(4, 64, batching_mode="static", static_batch_size=2), kv)
+    short, long = make_request("short", 4, 1), make_request("long", 4, 2)
+    sched.add(short)
+    sched.add(long)
+    plan, result = step_with_tokens(sched, [5, 5])
+    assert [s.finish_reason for s in result.sampled] == ["length", None]
+    assert sched.padding == [short] and kv.num_blocks_held("short") == 1
+    plan, result = step_with_tokens(sched, [5])
+    assert not plan.left and [row.kind for row in plan.rows] == ["decode", "padding"]
+    assert [s.finish_reason for s in result.sampled] == ["length"], "padding rows never sample"
+    assert sched.padding == [short, long]
+    plan = sched.schedule(2.0)
+    assert [(g.request, g.reason, g.blocks_freed) for g in plan.left] == [(short, "padding_released", 1),
+                                                                         (long, "padding_released", 2)]
+    assert kv.num_used_blocks == 0
