@@ -4,13 +4,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from batchtop.engine.model import CUDA_GRAPH_MODES
 from batchtop.kernels import BACKENDS
 
 from .batch import LAYOUTS
 from .knobs import KNOBS, POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
-CUDA_GRAPH_MODES = ("on", "off", "eager")   # eager: the graphs' buffers and padding, run without capture
 MAX_BATCH_CAPACITY = 1024
 
 

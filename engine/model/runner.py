@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from batchtop import kernels
-from batchtop.engine.core.config import CUDA_GRAPH_MODES
+from . import CUDA_GRAPH_MODES
 from batchtop.kernels import cpu
 
 from .dims import ModelDims
