@@ -23,7 +23,7 @@ from batchtop.engine.model.loading import load_model
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.recorder import Recorder
-from .cli import LIVE_REFRESH_S
+from .commands import LIVE_REFRESH_S
 
 SECTION = "## Dashboard overhead"
 

@@ -1,4 +1,4 @@
-"""`batchtop bench` and `batchtop sweep`: a serving benchmark in the manner of vLLM's.
+"""The serving benchmark behind `batchtop bench` and `batchtop sweep` (commands.py), in the manner of vLLM's.
 
 A dataset (random lengths, or ShareGPT conversations) becomes a list of requests; they
 are sent at a request rate whose gaps are Gamma-distributed (burstiness 1 = Poisson,
@@ -17,7 +17,6 @@ import asyncio
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator
@@ -465,97 +464,3 @@ def sweep_plot(points: list[dict], width: int = 78, height: int = 20, color: boo
 def to_json(points_or_summary) -> str:
     return json.dumps(points_or_summary, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__")
                       else str(o))
-
-
-# -- command line (`batchtop bench`, `batchtop sweep`; parsers built in tui/cli.py) ----------------
-
-
-def add_bench_flags(parser) -> None:
-    g = parser.add_argument_group("benchmark")
-    g.add_argument("--base-url", default=None, help="an OpenAI-compatible server; default: the embedded engine")
-    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="server endpoint (chat needs text prompts: the sharegpt dataset)")
-    g.add_argument("--api-key", default=None, help="bearer token for the server")
-    g.add_argument("--served-model-name", default=None, help="model name to send (default: the server's)")
-    g.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random")
-    g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
-    g.add_argument("--tokenizer", default=None, help="HF tokenizer folder for sharegpt lengths (default: SmolLM2's)")
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--random-input-len", type=int, default=128)
-    g.add_argument("--random-output-len", type=int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=0.0)
-    g.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length for sharegpt")
-    g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
-    g.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
-    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-ignore-eos", action="store_true", help="let EOS end requests early")
-    g.add_argument("--goodput", nargs="+", default=None, metavar="SLO",
-                   help="SLOs in ms for goodput: ttft:500 tpot:50 e2el:5000")
-    g.add_argument("--save-result", default=None, metavar="PATH", help="write the result as JSON")
-
-
-def dataset_from_args(args) -> list[BenchRequest]:
-    if args.dataset_name == "random":
-        return random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
-                              args.random_range_ratio, args.seed)
-    if not args.dataset_path:
-        raise ValueError("--dataset-name sharegpt needs --dataset-path")
-    return sharegpt_dataset(args.dataset_path, args.num_prompts, _tokenizer(args.tokenizer), args.seed,
-                            args.sharegpt_output_len)
-
-
-def _tokenizer(path: str | None):
-    import transformers
-    from batchtop.engine.model.loading import cache_dir
-    folder = path or str(cache_dir() / "smollm2")
-    return transformers.AutoTokenizer.from_pretrained(folder)
-
-
-def run_bench(args, config) -> int:
-    """`batchtop bench`: print the table; --save-result writes the JSON."""
-    requests = dataset_from_args(args)
-    run = dict(request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-               seed=args.seed)
-    slos = parse_goodput(args.goodput)
-    if args.base_url:
-        model = args.served_model_name or served_model(args.base_url, args.api_key)
-        results, duration = bench_server(args.base_url, model, requests, chat=args.endpoint == "chat",
-                                         api_key=args.api_key, ignore_eos=not args.no_ignore_eos, **run)
-        backend = f"openai {args.base_url}"
-    else:
-        model, backend = config.model, "embedded"
-        results, duration, _ = bench_embedded(config, requests, **run)
-    settings = {"backend": backend, "model": model, "dataset": args.dataset_name, "num_prompts": len(requests),
-                "request_rate": args.request_rate, "burstiness": args.burstiness,
-                "max_concurrency": args.max_concurrency, "seed": args.seed}
-    summary = summarize(results, duration, slos=slos, extra={"max_concurrency": args.max_concurrency})
-    print(format_table(summary))
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(result_json(summary, results, settings), f, indent=2, default=str)
-    return 0 if summary["failed"] == 0 else 1
-
-
-def run_sweep(args, config) -> int:
-    """`batchtop sweep`: the same trace at each --max-num-seqs value; table and plot."""
-    values = sorted({int(v) for v in args.values.split(",") if v.strip()})
-    if not values or values[0] < 1:
-        raise ValueError(f"--max-num-seqs values must be integers >= 1, got {args.values!r}")
-    requests = dataset_from_args(args)
-    run = dict(request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-               seed=args.seed)
-    if args.launch:
-        from .sweep_launch import sweep_launched
-        points = sweep_launched(args.launch, values, requests, base_url=args.base_url or "http://127.0.0.1:8000",
-                                model=args.served_model_name, api_key=args.api_key,
-                                startup_timeout_s=args.startup_timeout, ignore_eos=not args.no_ignore_eos,
-                                log=lambda line: print(line, file=sys.stderr, flush=True), **run)
-    else:
-        points = sweep(config, requests, values, **run)
-    print(sweep_table(points))
-    print(sweep_plot(points, color=not args.no_color))
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(points, f, indent=2, default=str)
-    return 1 if any("error" in p for p in points) else 0

@@ -2,5 +2,5 @@
 side endpoint, and a launcher for vLLM servers.
 
 `scheduler` and `endpoint` run inside vLLM's engine process: they import only `batchtop.telemetry`
-and what vLLM itself installs. `launch` runs on batchtop's side.
+and what vLLM itself installs. `launch` and `commands` (`batchtop vllm serve`) run on batchtop's side.
 """

@@ -168,27 +168,3 @@ def shell_line(options: VllmOptions) -> str:
     env = vllm_env(options, base={})
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(vllm_command(options))
 
-
-def serve_vllm(args) -> int:
-    """`batchtop vllm serve`: print the command, then become vLLM (Ctrl+C stops it as it stops vLLM)."""
-    reason = vllm_available()
-    if reason:
-        raise ValueError(reason)
-    model = args.model
-    if model == "smollm2":
-        from batchtop.engine.model.loading import smollm2_folder
-        model = str(smollm2_folder(print))
-    scheduler = None if args.stock else ASYNC_SCHEDULER_CLS if args.async_scheduling else SCHEDULER_CLS
-    options = VllmOptions(model=model, served_model_name=args.served_model_name, port=args.port, host=args.host,
-                          scheduler_cls=scheduler, events_port=None if args.stock else args.events_port or args.port + 1,
-                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                          num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_gib=args.kv_cache_gib,
-                          enforce_eager=args.enforce_eager,
-                          extra_args=tuple(args.vllm_args) + (("--async-scheduling",) if args.async_scheduling else ()))
-    print(shell_line(options), flush=True)
-    if args.print_command:
-        return 0
-    if options.events_port is not None:
-        print(f"batchtop: the dashboard: batchtop top --url http://{options.host}:{options.events_port}", flush=True)
-    command = vllm_command(options)
-    os.execve(command[0], command, vllm_env(options))

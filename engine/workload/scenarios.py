@@ -18,7 +18,6 @@ from batchtop.telemetry import events as ev
 
 from batchtop.engine.core.config import EngineConfig
 from .arrivals import LengthDist, PoissonLoad, synthetic_prompt
-from batchtop.engine.core.sampling import SamplingParams
 
 STEP_S = 0.02                   # headless runs: virtual seconds per step, for the load's arrivals
 
@@ -93,6 +92,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 def run_scenario(scenario: Scenario, steps: int, *, loaded=None, seed: int = 0, **overrides) -> list[ev.Event]:
     """Run `steps` steps headless on the virtual clock; every event, in order."""
     from batchtop.engine.core.engine import Engine
+    from batchtop.engine.core.sampling import SamplingParams
     events: list[ev.Event] = []
     config = scenario.engine_config(model=overrides.pop("model", "tiny"), **overrides)
     engine = Engine(config, sink=events.append, loaded=loaded)
