@@ -8,31 +8,35 @@ from __future__ import annotations
 
 import argparse
 
-from batchtop.engine.core.config import BATCHING_MODES, POLICIES, PREEMPTION_MODES, EngineConfig
+from batchtop.engine.core.batch import LAYOUTS
+from batchtop.engine.core.config import DTYPES, EngineConfig
+from batchtop.engine.core.knobs import KNOBS, POLICIES
+from batchtop.engine.model import CUDA_GRAPH_MODES
+from batchtop.kernels import BACKENDS
+
+DEFAULT = EngineConfig          # its fields' defaults are the flags' defaults
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, an HF folder or a .gguf file")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="most prompt tokens one request may take in a step (0: no cap)")
+    g.add_argument("--model", default=DEFAULT.model, help="smollm2 (default), tiny, an HF folder or a .gguf file")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "static_batch_size"):
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(DEFAULT, name),
+                       help=KNOBS[name].help)
     kv = g.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-mb", type=float, default=1024.0, help="KV pool size in MiB")
+    kv.add_argument("--kv-cache-mb", type=float, default=DEFAULT.kv_cache_mb, help="KV pool size in MiB")
     kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--policy", choices=POLICIES, default="fcfs")
-    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
-    g.add_argument("--batching-mode", choices=BATCHING_MODES, default="continuous")
-    g.add_argument("--static-batch-size", type=int, default=8, help="B of static and dynamic batching")
-    g.add_argument("--layout", choices=["condense", "indexmap", "gather"], default="condense",
-                   help="persistent batch layout")
-    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--block-size", type=int, default=DEFAULT.block_size, help="tokens per KV block")
+    g.add_argument("--policy", choices=POLICIES, default=DEFAULT.policy)
+    for name in ("preemption_mode", "batching_mode"):
+        g.add_argument(f"--{name.replace('_', '-')}", choices=KNOBS[name].choices, default=getattr(DEFAULT, name),
+                       help=KNOBS[name].help)
+    g.add_argument("--layout", choices=LAYOUTS, default=DEFAULT.layout, help="persistent batch layout")
+    g.add_argument("--attention-backend", choices=BACKENDS, default=DEFAULT.attention_backend)
+    g.add_argument("--dtype", choices=DTYPES, default=DEFAULT.dtype)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    g.add_argument("--cuda-graphs", choices=["on", "off", "eager"], default="on",
+    g.add_argument("--device", default=DEFAULT.device, help="cpu (default), cuda or cuda:N")
+    g.add_argument("--cuda-graphs", choices=CUDA_GRAPH_MODES, default=DEFAULT.cuda_graphs,
                    help="on CUDA, decode steps replay graphs captured at start (default on; eager: the graphs' "
                         "buffers and padding without capture, any device)")
 
