@@ -76,6 +76,12 @@ def test_engine_never_imports_the_dashboard():
     assert offending("batchtop.engine", ("batchtop.tui", "textual")) == {}
 
 
+def test_the_load_the_engine_loop_runs_is_a_leaf():
+    """engine/core/loop.py reads the built-in load's arrivals; they import nothing of batchtop, so no cycle."""
+    assert "batchtop.engine.workload.arrivals" in MODULES["batchtop.engine.core.loop"]
+    assert offending("batchtop.engine.workload.arrivals", ("batchtop",)) == {}
+
+
 @pytest.mark.parametrize("package", ["batchtop.telemetry", "batchtop.kernels"])
 def test_telemetry_and_kernels_import_nothing_else_of_batchtop(package):
     assert offending(package, ("batchtop",), allowed=(package,)) == {}
