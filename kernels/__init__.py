@@ -121,7 +121,9 @@ def _impl(device: torch.device) -> ModuleType:
     if resolve_backend(device) == "torch":
         from batchtop.kernels import attention_torch
         return attention_torch
-    from batchtop.kernels import attention_triton  # deferred: triton reads TRITON_INTERPRET when kernels are defined
+    from batchtop.kernels import (
+        attention_triton,  # deferred: triton reads TRITON_INTERPRET when kernels are defined
+    )
 
     return attention_triton
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from batchtop.kernels import cpu
+
 from .shapes import check_attention_inputs, check_kv_write_inputs, check_metadata_inputs
 
 # A decode row joins a group padded to a longer row while the padding it adds is at most

@@ -7,10 +7,16 @@ from .events import SCHEMA_VERSION, Event, event_from_dict
 from .export import summary_text, to_chrome_trace, to_csv
 from .metrics import Metrics, MetricsSummary, percentile, summarize
 from .rates import WindowedRates
-from .state import BatchState, RequestState
 from .recorder import (
-    LogFormatError, LogReader, Recorder, decode_event, encode_event, iter_log, read_log,
+    LogFormatError,
+    LogReader,
+    Recorder,
+    decode_event,
+    encode_event,
+    iter_log,
+    read_log,
 )
+from .state import BatchState, RequestState
 
 __all__ = [
     "SCHEMA_VERSION", "Event", "event_from_dict",

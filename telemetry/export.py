@@ -21,9 +21,22 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .events import (
-    WAIT_REASONS, CommandRefused, EnginePaused, EngineResumed, Event, EventsDropped, FirstToken, KnobChanged,
-    RequestAdmitted, RequestPreempted, RequestRetired, RequestRetracted, RowMoved, StepFailed,
-    StepFinished, StepPlanned,
+    WAIT_REASONS,
+    CommandRefused,
+    EnginePaused,
+    EngineResumed,
+    Event,
+    EventsDropped,
+    FirstToken,
+    KnobChanged,
+    RequestAdmitted,
+    RequestPreempted,
+    RequestRetired,
+    RequestRetracted,
+    RowMoved,
+    StepFailed,
+    StepFinished,
+    StepPlanned,
 )
 from .metrics import Distribution, Metrics, MetricsSummary
 

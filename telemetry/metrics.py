@@ -28,8 +28,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
 from .events import (
-    Event, EventsDropped, FirstToken, RequestAdmitted, RequestArrived,
-    RequestPreempted, RequestRetired, RequestRetracted, StepFinished,
+    Event,
+    EventsDropped,
+    FirstToken,
+    RequestAdmitted,
+    RequestArrived,
+    RequestPreempted,
+    RequestRetired,
+    RequestRetracted,
+    StepFinished,
 )
 
 

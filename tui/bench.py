@@ -19,10 +19,11 @@ from batchtop.engine.bench.figures import publish
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.loop import EngineLoop
-from batchtop.engine.model.loading import load_model
 from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.model.loading import load_model
 from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.recorder import Recorder
+
 from .commands import LIVE_REFRESH_S
 
 SECTION = "## Dashboard overhead"

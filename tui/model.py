@@ -22,10 +22,28 @@ from dataclasses import dataclass, field
 from batchtop.engine.core.admission import NEXT_STEP, WaitClock
 from batchtop.engine.workload.scenarios import SCENARIOS
 from batchtop.telemetry.events import (
-    AdmissionBlocked, BatchRebuilt, BlocksAllocated, CommandRefused, EnginePaused, EngineResumed, EngineSnapshot,
-    Event, EventsDropped, FirstToken, PaddingReleased,
-    KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted, RequestRetired,
-    RequestRetracted, RowMoved, StepFailed, StepFinished, StepPlanned,
+    AdmissionBlocked,
+    BatchRebuilt,
+    BlocksAllocated,
+    CommandRefused,
+    EnginePaused,
+    EngineResumed,
+    EngineSnapshot,
+    Event,
+    EventsDropped,
+    FirstToken,
+    KnobChanged,
+    PaddingReleased,
+    PrefillChunk,
+    RequestAdmitted,
+    RequestArrived,
+    RequestPreempted,
+    RequestRetired,
+    RequestRetracted,
+    RowMoved,
+    StepFailed,
+    StepFinished,
+    StepPlanned,
 )
 from batchtop.telemetry.export import wait_line
 from batchtop.telemetry.metrics import percentile

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from batchtop.engine.core.knobs import DASHBOARD_KNOBS as ENGINE_KNOBS
 from batchtop.telemetry.events import Event, EventsDropped, StepFinished
 
 LOAD_KNOBS = ("load_rate", "length_dist")
@@ -307,8 +306,8 @@ class EngineSource(Source):
                prompt_mean: float = 64.0, output_mean: float = 64.0, seed: int = 0, history: int = 0):
         """Load the model, build engine, bus, load generator and loop; the loop is not started yet."""
         from batchtop.engine.core.engine import Engine
-        from batchtop.engine.workload.arrivals import LengthDist, PoissonLoad
         from batchtop.engine.core.loop import EngineLoop
+        from batchtop.engine.workload.arrivals import LengthDist, PoissonLoad
         from batchtop.telemetry.bus import EventBus
         bus = EventBus(history=history)
         engine = Engine(config, sink=bus.publish)

@@ -75,6 +75,7 @@ def dataset_from_args(args):
 
 def _tokenizer(path: str | None):
     import transformers
+
     from batchtop.engine.model.loading import cache_dir
     folder = path or str(cache_dir() / "smollm2")
     return transformers.AutoTokenizer.from_pretrained(folder)

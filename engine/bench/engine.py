@@ -30,16 +30,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.model.forward import supports
+from batchtop.engine.model.loading import LoadedModel, load_model, smollm2_folder
+from batchtop.engine.model.runner import flat_forward_for
 from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
 
 from .figures import publish
-from batchtop.engine.core.config import EngineConfig
-from batchtop.engine.core.engine import Engine
-from batchtop.engine.model.forward import supports
-from batchtop.engine.model.loading import LoadedModel, load_model, smollm2_folder
-from batchtop.engine.model.runner import flat_forward_for
-from batchtop.engine.core.sampling import SamplingParams
 
 SECTION = "## Engine: batchtop vs transformers"
 CUDA_SECTION = "## Engine on CUDA: batchtop vs transformers"
@@ -251,6 +251,7 @@ def telemetry_overhead(loaded, prompts, lengths, rounds: int = 3, **config) -> t
     log (and the flight recorder on, as always), alternated to share the machine's noise; returns the
     best wall time of each (off, recorder)."""
     import tempfile
+
     from batchtop.telemetry.recorder import Recorder
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
     best = {"off": float("inf"), "recorder": float("inf")}

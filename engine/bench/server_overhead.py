@@ -24,8 +24,9 @@ import time
 import httpx
 
 from batchtop.engine.bench import serving as bs
-from .figures import publish
 from batchtop.engine.core.config import EngineConfig
+
+from .figures import publish
 
 SECTION = "## Server overhead and sweep"
 
@@ -72,6 +73,7 @@ def overhead(args) -> dict:
             server.send_signal(19)            # SIGSTOP: the idle server must not take CPU from the embedded run
             try:
                 import torch
+
                 from batchtop.engine.model.loading import load_model
                 loaded = best.get("_loaded") or load_model(args.model, getattr(torch, config.dtype))
                 best["_loaded"] = loaded

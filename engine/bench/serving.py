@@ -344,9 +344,9 @@ class EmbeddedEngine:
     """An engine, its event bus and a started loop; `close()` stops the loop."""
 
     def __init__(self, config, loaded=None):
-        from batchtop.telemetry.bus import EventBus
         from batchtop.engine.core.engine import Engine
         from batchtop.engine.core.loop import EngineLoop
+        from batchtop.telemetry.bus import EventBus
         self.bus = EventBus()
         self.events = self.bus.subscribe(maxlen=2_000_000)
         self.engine = Engine(config, sink=self.bus.publish, loaded=loaded)
@@ -390,9 +390,11 @@ def served_model(base_url: str, api_key: str | None = None) -> str:
 def sweep(config, requests, values: list[int], *, loaded=None, **run_kwargs) -> list[dict]:
     """The same trace at each max_num_seqs on a fresh embedded engine (the model loaded once)."""
     import dataclasses
-    from batchtop.telemetry.metrics import summarize as summarize_events
-    from batchtop.engine.model.loading import load_model
+
     import torch
+
+    from batchtop.engine.model.loading import load_model
+    from batchtop.telemetry.metrics import summarize as summarize_events
     if loaded is None:
         loaded = load_model(config.model, getattr(torch, config.dtype))
     points = []
@@ -435,6 +437,7 @@ def _ms(value) -> str:
 def sweep_plot(points: list[dict], width: int = 78, height: int = 20, color: bool = False) -> str:
     """Output throughput (left axis) and p99 TPOT (right axis) against max_num_seqs, log2 x axis."""
     import re
+
     import plotext
     fig = plotext.figure
     fig.clear()

@@ -12,10 +12,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from batchtop.engine.vllm.launch import LaunchedServer
 from batchtop.telemetry.exposition import parse_exposition
 
 from .serving import bench_server, served_model, summarize
-from batchtop.engine.vllm.launch import LaunchedServer
 
 LOG_TAIL_LINES = 20
 

@@ -21,11 +21,10 @@ import httpx
 from httpx_sse import connect_sse
 
 from batchtop.engine.bench import serving as bs
+from batchtop.engine.vllm.launch import SCHEDULER_CLS, VllmOptions, launch_vllm
 from batchtop.telemetry.recorder import decode_event
 
 from .figures import commit, cpu_name, publish
-
-from batchtop.engine.vllm.launch import SCHEDULER_CLS, VllmOptions, launch_vllm
 
 SECTION = "## batchtop's scheduler class inside vLLM"
 TARGET_LOSS = 0.02

@@ -23,11 +23,12 @@ import time
 from contextlib import contextmanager
 
 from batchtop.engine.bench import serving as bs
-from .figures import commit, cpu_name, publish
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.model.loading import smollm2_folder
-from .sweep_launch import sweep_launched
 from batchtop.engine.vllm.launch import LaunchedServer, VllmOptions, launch_vllm, shell_line, vllm_available
+
+from .figures import commit, cpu_name, publish
+from .sweep_launch import sweep_launched
 
 SECTION = "## batchtop and vLLM side by side"
 BATCHTOP_PORT, VLLM_PORT, SWEEP_PORT = 8230, 8231, 8232

@@ -15,19 +15,19 @@ import numpy as np
 import torch
 
 from batchtop import kernels
+from batchtop.engine.model.dims import ModelDims
+from batchtop.engine.model.loading import LoadedModel, load_model
+from batchtop.engine.model.runner import Runner
 from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.flight import FlightRecorder
 
 from .admission import Blocked
 from .batch import BatchStep, PersistentBatch
-from .kv_cache import KVCacheManager
 from .config import EngineConfig
 from .knobs import KNOBS, knob
-from batchtop.engine.model.loading import LoadedModel, load_model
+from .kv_cache import KVCacheManager
 from .request import Request, Status
-from batchtop.engine.model.dims import ModelDims
-from batchtop.engine.model.runner import Runner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerKnobs
 from .scheduler_output import Row, SchedulerOutput, StepResult

@@ -16,8 +16,9 @@ import threading
 import time
 from typing import Callable
 
-from .engine import Engine, RequestOutput
 from batchtop.engine.workload.arrivals import DISTRIBUTIONS, synthetic_prompt
+
+from .engine import Engine, RequestOutput
 from .sampling import SamplingParams
 
 OutputCallback = Callable[[RequestOutput], None]

@@ -7,7 +7,6 @@ import torch
 
 from batchtop.kernels import cpu
 
-
 GREEDY_BELOW = 1e-5
 MIN_TOP_P = 1e-6           # a smaller top_p keeps only the most likely token, as this does
 

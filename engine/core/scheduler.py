@@ -16,8 +16,17 @@ from .admission import NEXT_STEP, Blocked, WaitClock
 from .knobs import POLICIES
 from .kv_cache import KVCacheManager
 from .request import Request, Status
-from .scheduler_output import (PADDING_RELEASED, PREEMPTED, RETRACTED, Chunk, LeftBatch, Row, SampledToken,
-                               SchedulerOutput, StepResult)
+from .scheduler_output import (
+    PADDING_RELEASED,
+    PREEMPTED,
+    RETRACTED,
+    Chunk,
+    LeftBatch,
+    Row,
+    SampledToken,
+    SchedulerOutput,
+    StepResult,
+)
 
 
 @dataclass

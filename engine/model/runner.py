@@ -20,9 +20,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from batchtop import kernels
-from . import CUDA_GRAPH_MODES
 from batchtop.kernels import cpu
 
+from . import CUDA_GRAPH_MODES
 from .dims import ModelDims
 from .forward import FlatForward, supports
 from .graphs import DecodeGraphs, capture_sizes, num_padding_blocks

@@ -19,14 +19,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from batchtop.telemetry import events as ev
-from batchtop.telemetry.bus import EventLog
-
 from batchtop.engine.core.config import EngineConfig
-from batchtop.engine.core.knobs import KNOBS
 from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.knobs import KNOBS
 from batchtop.engine.core.request import Status
 from batchtop.engine.core.sampling import SamplingParams
+from batchtop.telemetry import events as ev
+from batchtop.telemetry.bus import EventLog
 
 BATCH_CAPACITY = 32
 STALL_STEPS = 5_000      # this many steps without a token, an admission or a retirement: a livelock

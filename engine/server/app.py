@@ -26,17 +26,32 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchtop.telemetry import events as ev
-from batchtop.telemetry import flight
-from batchtop.telemetry.stream import (SSE_HEADERS, BearerAuth, EventRing, bind_socket, check_bind, error_body,
-                                       events_response)
-
 from batchtop.engine.core.knobs import KNOBS, ranges
 from batchtop.engine.core.loop import EngineLoop
 from batchtop.engine.core.sampling import SamplingParams
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
-from .protocol import (ApiError, ChatCompletionRequest, CompletionRequest, KnobUpdate, TextStream,
-                            message_text, stop_strings)
+from batchtop.telemetry import events as ev
+from batchtop.telemetry import flight
+from batchtop.telemetry.stream import (
+    SSE_HEADERS,
+    BearerAuth,
+    EventRing,
+    bind_socket,
+    check_bind,
+    error_body,
+    events_response,
+)
+
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServerMetrics
+from .protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    KnobUpdate,
+    TextStream,
+    message_text,
+    stop_strings,
+)
 
 PUMP_INTERVAL_S = 0.05
 GREEDY_BELOW = 1e-5
@@ -527,8 +542,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 def build_server(config, *, api_key: str | None = None, model_name: str | None = None,
                  event_history: int = 100_000, max_body_bytes: int = MAX_BODY_BYTES, loaded=None) -> BatchtopServer:
     """Load the model, start the engine loop, and wrap it (the HTTP side is not started)."""
-    from batchtop.telemetry.bus import EventBus
     from batchtop.engine.core.engine import Engine
+    from batchtop.telemetry.bus import EventBus
     bus = EventBus()
     engine = Engine(config, sink=bus.publish, loaded=loaded)
     loop = EngineLoop(engine)

@@ -27,7 +27,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from vllm.logger import init_logger
 
-from batchtop.telemetry.stream import BearerAuth, EventRing, bind_socket, check_bind, error_body, events_response
+from batchtop.telemetry.stream import (
+    BearerAuth,
+    EventRing,
+    bind_socket,
+    check_bind,
+    error_body,
+    events_response,
+)
 
 PUMP_INTERVAL_S = 0.05
 EVENT_HISTORY = 100_000

@@ -14,9 +14,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from batchtop.engine.core.config import EngineConfig
 from batchtop.telemetry import events as ev
 
-from batchtop.engine.core.config import EngineConfig
 from .arrivals import LengthDist, PoissonLoad, synthetic_prompt
 
 STEP_S = 0.02                   # headless runs: virtual seconds per step, for the load's arrivals

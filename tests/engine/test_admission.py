@@ -4,13 +4,13 @@ Scheduler-level tests drive `schedule(now)` with explicit times, so the splits a
 """
 import pytest
 
-from batchtop.engine.core.kv_cache import KVCacheManager
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
-from batchtop.engine.model.loading import load_model
+from batchtop.engine.core.kv_cache import KVCacheManager
 from batchtop.engine.core.request import Request
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.engine.core.scheduler import Scheduler, SchedulerKnobs
+from batchtop.engine.model.loading import load_model
 from batchtop.telemetry import events as ev
 
 _seq = iter(range(10**9))

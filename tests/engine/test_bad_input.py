@@ -3,8 +3,8 @@ import pytest
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
-from batchtop.engine.model.loading import load_model
 from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.model.loading import load_model
 
 
 @pytest.fixture(scope="module")

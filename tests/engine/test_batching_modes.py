@@ -6,8 +6,8 @@ import pytest
 from batchtop.engine.core.batch import PersistentBatch
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
-from batchtop.engine.model.loading import load_model
 from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.model.loading import load_model
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.metrics import summarize
 from batchtop.telemetry.recorder import Recorder, read_log

@@ -9,10 +9,10 @@ import torch
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.engine.model.graphs import GraphCapture, capture_sizes
 from batchtop.engine.model.loading import load_model
 from batchtop.engine.model.runner import Runner
-from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry import events as ev
 
 BLOCK = 4

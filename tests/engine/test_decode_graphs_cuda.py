@@ -8,15 +8,15 @@ import random
 import numpy as np
 import pytest
 import torch
+from test_decode_graphs import random_trace
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.engine.model.graphs import capture_sizes
 from batchtop.engine.model.loading import load_model
-from batchtop.engine.core.sampling import SamplingParams
 from batchtop.kernels import attention_triton
 from batchtop.telemetry import events as ev
-from test_decode_graphs import random_trace
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(600)]

@@ -6,13 +6,13 @@ import random
 
 import pytest
 import torch
+from test_outputs_match_transformers import random_arrivals_match_generate
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
-from batchtop.engine.model.loading import load_model
 from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.model.loading import load_model
 from batchtop.kernels import attention_triton
-from test_outputs_match_transformers import random_arrivals_match_generate
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytestmark = pytest.mark.timeout(600)

@@ -6,8 +6,8 @@ import pytest
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.loop import EngineLoop
-from batchtop.engine.model.loading import load_model
 from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.model.loading import load_model
 from batchtop.telemetry import events as ev
 
 

@@ -6,9 +6,9 @@ import torch
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
+from batchtop.engine.core.sampling import SamplingParams
 from batchtop.engine.model.loading import load_model
 from batchtop.engine.model.runner import flat_forward_for
-from batchtop.engine.core.sampling import SamplingParams
 from batchtop.kernels import cpu
 
 CHAT_PROMPTS = [

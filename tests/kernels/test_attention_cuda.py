@@ -6,9 +6,17 @@ Skipped where torch sees no CUDA device. On a GPU machine run with the interpret
 
 import pytest
 import torch
+from kernel_cases import (
+    CACHE_SENTINEL,
+    CHUNKED,
+    DECODE_ONLY,
+    DECODE_SKEWED,
+    MIXED,
+    dense_reference,
+    make_case,
+)
 
 from batchtop import kernels
-from kernel_cases import CACHE_SENTINEL, CHUNKED, DECODE_ONLY, DECODE_SKEWED, MIXED, dense_reference, make_case
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(300)]

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from kernel_cases import CHUNKED, DECODE_ONLY, DECODE_SKEWED, MIXED, dense_reference, make_case
 
 from batchtop.kernels import attention_torch
-from kernel_cases import CHUNKED, DECODE_ONLY, DECODE_SKEWED, MIXED, dense_reference, make_case
 
 pytestmark = pytest.mark.timeout(120)
 

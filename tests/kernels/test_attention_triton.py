@@ -3,11 +3,17 @@ dense reference. Head counts are small so the interpreter stays quick."""
 
 import pytest
 import torch
+from kernel_cases import (
+    CACHE_SENTINEL,
+    CHUNKED_SMALL,
+    DECODE_ONLY,
+    DECODE_SKEWED,
+    MIXED,
+    dense_reference,
+    make_case,
+)
 
 from batchtop.kernels import attention_torch, attention_triton
-from kernel_cases import (
-    CACHE_SENTINEL, CHUNKED_SMALL, DECODE_ONLY, DECODE_SKEWED, MIXED, dense_reference, make_case,
-)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -146,8 +146,8 @@ def test_failed_build_is_said_once_and_torch_serves(fresh, monkeypatch, capsys):
 def test_engine_and_header_say_why_when_the_kernels_are_off(fresh, capsys):
     from batchtop.engine.core.config import EngineConfig
     from batchtop.engine.core.engine import Engine
-    from batchtop.telemetry.bus import EventBus
     from batchtop.engine.core.loop import EngineLoop
+    from batchtop.telemetry.bus import EventBus
     from batchtop.tui.sources import EngineSource
     fake, _ = fresh
     fake.error = OSError("no C++ compiler found")

@@ -4,7 +4,6 @@ import random
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 

@@ -2,11 +2,11 @@
 import random
 
 from batchtop import kernels
-from batchtop.kernels import cpu
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
-from batchtop.engine.model.loading import load_model
 from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.model.loading import load_model
+from batchtop.kernels import cpu
 
 
 def test_tiny_engine_gives_the_same_greedy_tokens_on_triton_and_torch(monkeypatch):

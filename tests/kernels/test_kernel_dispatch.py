@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from kernel_cases import CHUNKED_SMALL, dense_reference, make_case
 
 from batchtop import kernels
-from kernel_cases import CHUNKED_SMALL, dense_reference, make_case
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from kernel_cases import make_case
 
 from batchtop.kernels import attention_torch, attention_triton
-from kernel_cases import make_case
 
 pytestmark = pytest.mark.timeout(60)
 

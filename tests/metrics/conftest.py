@@ -10,7 +10,6 @@ import http.server
 import threading
 
 import pytest
-
 from metrics_helpers import skip_without_vllm, stock_vllm_options
 
 STOCK_VLLM_PORT = 8210

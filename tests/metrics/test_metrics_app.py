@@ -5,10 +5,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from expositions import sglang_exposition, two_engines, vllm_fixture
 
 from batchtop.tui.metrics.app import MetricsApp
 from batchtop.tui.metrics.source import MetricsSource
-from expositions import sglang_exposition, two_engines, vllm_fixture
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tui"))
 from tui_helpers import screen_text  # noqa: E402

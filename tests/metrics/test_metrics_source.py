@@ -5,10 +5,10 @@ import socket
 import time
 
 import pytest
+from expositions import sglang_exposition, vllm_fixture
 
 from batchtop.tui.cli import main
 from batchtop.tui.metrics.source import MetricsSource, detect
-from expositions import sglang_exposition, vllm_fixture
 
 ENGINE = "smollm2 engine=0"
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,8 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchtop.tui.metrics.app import MetricsApp
 from batchtop.tui.metrics.source import MetricsSource, detect
-import sys
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tui"))
 from tui_helpers import screen_text  # noqa: E402

@@ -5,8 +5,9 @@ import json
 import os
 import shlex
 
-from batchtop.tui.cli import main
 from metrics_helpers import skip_without_vllm, stock_vllm_options
+
+from batchtop.tui.cli import main
 
 SWEEP_PORT = 8220
 

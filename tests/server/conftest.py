@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from server_helpers import API_KEY, MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 from batchtop.engine.core.config import EngineConfig
-
-from server_helpers import API_KEY, MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 
 @pytest.fixture(scope="session")

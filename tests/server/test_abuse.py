@@ -1,8 +1,9 @@
 """The API under abuse (engine/reliability/abuse.py): every case as expected, no 5xx, the engine serves on."""
 from __future__ import annotations
 
-from batchtop.engine.reliability.abuse import run_cases
 from server_helpers import API_KEY, wait_idle
+
+from batchtop.engine.reliability.abuse import run_cases
 
 FLOOD = 2000
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from server_helpers import API_KEY
 
 from batchtop.engine.server.app import ServerThread
 from batchtop.telemetry.stream import check_bind, is_loopback
 from batchtop.tui.cli import main
-from server_helpers import API_KEY
 
 ENDPOINTS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/knobs"),
              ("POST", "/v1/knobs"), ("POST", "/v1/pause"), ("POST", "/v1/resume"), ("POST", "/v1/step"),

@@ -5,9 +5,9 @@ import json
 import math
 
 import httpx
+from server_helpers import wait_idle
 
 from batchtop.engine.bench import serving as bs
-from server_helpers import wait_idle
 
 
 def metric(text: str, name: str) -> float:

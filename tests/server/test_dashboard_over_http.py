@@ -4,10 +4,10 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+from server_helpers import wait_idle
 
 from batchtop.engine.server.app import BatchtopServer, ServerThread
 from batchtop.tui.remote_source import RemoteSource
-from server_helpers import wait_idle
 
 
 def test_dashboard_follows_server_and_pauses_it(served):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 
 import httpx
-
 from server_helpers import NUM_KV_BLOCKS, wait_idle
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from server_helpers import MAX_MODEL_LEN
 
 

@@ -6,12 +6,11 @@ import json
 import time
 
 import httpx
-import pytest
+from server_helpers import wait_idle
 
 from batchtop.engine.server.app import BatchtopServer, ServerThread
 from batchtop.telemetry.events import EventsDropped, KnobChanged, StepFinished
 from batchtop.tui.remote_source import RemoteSource
-from server_helpers import wait_idle
 
 
 def read_sse(url: str, *, headers=None, params=None, until=None, timeout: float = 20.0) -> list[dict]:

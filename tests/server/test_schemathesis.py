@@ -10,7 +10,8 @@ import dataclasses
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis.errors import Unsatisfiable  # noqa: E402

@@ -2,10 +2,27 @@
 from __future__ import annotations
 
 from batchtop.telemetry.events import (
-    AdmissionBlocked, BatchRebuilt, BlocksAllocated, CommandRefused, EnginePaused, EngineResumed, EngineSnapshot,
-    EventsDropped, FirstToken, PaddingReleased,
-    KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted,
-    RequestRetired, RequestRetracted, RowMoved, StepFailed, StepFinished, StepPlanned,
+    AdmissionBlocked,
+    BatchRebuilt,
+    BlocksAllocated,
+    CommandRefused,
+    EnginePaused,
+    EngineResumed,
+    EngineSnapshot,
+    EventsDropped,
+    FirstToken,
+    KnobChanged,
+    PaddingReleased,
+    PrefillChunk,
+    RequestAdmitted,
+    RequestArrived,
+    RequestPreempted,
+    RequestRetired,
+    RequestRetracted,
+    RowMoved,
+    StepFailed,
+    StepFinished,
+    StepPlanned,
 )
 
 

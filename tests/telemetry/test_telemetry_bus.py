@@ -3,7 +3,7 @@ import threading
 import pytest
 
 from batchtop.telemetry.bus import EventBus, EventLog
-from batchtop.telemetry.events import EventsDropped, EnginePaused
+from batchtop.telemetry.events import EnginePaused, EventsDropped
 
 
 def ev(i):

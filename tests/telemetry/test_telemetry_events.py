@@ -2,10 +2,10 @@ import json
 import math
 
 import pytest
+from telemetry_samples import one_of_each
 
 from batchtop.telemetry.events import EVENT_TYPES, StepFinished, event_from_dict
 from batchtop.telemetry.recorder import decode_event, encode_event
-from telemetry_samples import one_of_each
 
 
 def test_samples_cover_every_kind():

@@ -3,13 +3,20 @@ import io
 import json
 
 import pytest
+from telemetry_samples import one_of_each, static_batch
 
 from batchtop.telemetry.events import (
-    FirstToken, KnobChanged, RequestAdmitted, RequestArrived, RequestPreempted, RequestRetired,
-    RowMoved, StepFinished, StepPlanned,
+    FirstToken,
+    KnobChanged,
+    RequestAdmitted,
+    RequestArrived,
+    RequestPreempted,
+    RequestRetired,
+    RowMoved,
+    StepFinished,
+    StepPlanned,
 )
 from batchtop.telemetry.export import summary_text, to_chrome_trace, to_csv
-from telemetry_samples import one_of_each, static_batch
 
 HEADER = {"kind": "Header", "schema_version": 1, "model": "tiny", "knobs": {},
           "start_time": "2025-01-01T00:00:00+00:00", "start_monotonic": 0.5}

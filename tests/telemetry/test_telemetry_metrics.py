@@ -1,12 +1,18 @@
 import pytest
+from telemetry_samples import STATIC_LENGTHS, static_batch
 
 from batchtop.telemetry.events import (
-    EventsDropped, FirstToken, PrefillChunk, RequestArrived, RequestPreempted, RequestRetired,
-    RequestRetracted, StepFinished,
+    EventsDropped,
+    FirstToken,
+    PrefillChunk,
+    RequestArrived,
+    RequestPreempted,
+    RequestRetired,
+    RequestRetracted,
+    StepFinished,
 )
 from batchtop.telemetry.metrics import Distribution, Metrics, percentile, summarize
 from batchtop.telemetry.rates import WindowedRates
-from telemetry_samples import STATIC_LENGTHS, static_batch
 
 approx = pytest.approx
 

@@ -1,11 +1,11 @@
 import json
 
 import pytest
+from telemetry_samples import one_of_each, static_batch
 
 from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.events import SCHEMA_VERSION, EnginePaused, EventsDropped
 from batchtop.telemetry.recorder import LogFormatError, LogReader, Recorder, iter_log, read_log
-from telemetry_samples import one_of_each, static_batch
 
 
 def record(path, events, **kw):

@@ -4,6 +4,7 @@ batch's rows and the header the share of padded tokens. Without padding neither 
 from __future__ import annotations
 
 import pytest
+from tui_helpers import screen_text
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
@@ -14,8 +15,6 @@ from batchtop.telemetry.recorder import Recorder, read_log
 from batchtop.tui.app import BatchtopApp
 from batchtop.tui.model import DashboardModel
 from batchtop.tui.sources import ReplaySource
-from tui_helpers import screen_text
-
 
 QUIET = dict(num_running=3, num_waiting=0, kv_blocks_used=3, kv_blocks_total=10, schedule_s=0, prepare_s=0,
              forward_s=0, sample_s=0, update_s=0)

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import pytest
+from tui_helpers import screen_text
 
 from batchtop.kernels import cpu
 from batchtop.tui.app import BatchtopApp, LoadingSource
 from batchtop.tui.sources import FeedSource
-from tui_helpers import screen_text
 
 
 def test_loading_screen_names_the_first_build(monkeypatch):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from tui_helpers import FIXTURE_LOG
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
@@ -9,15 +10,23 @@ from batchtop.engine.core.loop import EngineLoop
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry.bus import EventBus
 from batchtop.telemetry.events import (
-    EngineSnapshot, EventsDropped, KnobChanged, PrefillChunk, RequestAdmitted, RequestArrived, RequestPreempted,
-    RequestRetired, RequestRetracted, RowMoved, StepFinished, StepPlanned,
+    EngineSnapshot,
+    EventsDropped,
+    KnobChanged,
+    PrefillChunk,
+    RequestAdmitted,
+    RequestArrived,
+    RequestPreempted,
+    RequestRetired,
+    RequestRetracted,
+    RowMoved,
+    StepFinished,
+    StepPlanned,
 )
 from batchtop.telemetry.recorder import read_log
 from batchtop.telemetry.state import BatchState
 from batchtop.tui.model import DashboardModel
 from batchtop.tui.sources import EngineSource, ReplaySource
-
-from tui_helpers import FIXTURE_LOG
 
 
 def fold(events) -> DashboardModel:

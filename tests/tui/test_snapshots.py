@@ -5,10 +5,10 @@ Regenerate after an intended change: BATCHTOP_UPDATE_SNAPSHOTS=1 .venv/bin/pytho
 from __future__ import annotations
 
 import pytest
+from tui_helpers import FIXTURE_LOG, assert_snapshot, screen_text
 
 from batchtop.tui.app import BatchtopApp
 from batchtop.tui.sources import ReplaySource
-from tui_helpers import FIXTURE_LOG, assert_snapshot, screen_text
 
 pytestmark = pytest.mark.asyncio
 

@@ -9,12 +9,12 @@ import re
 import time
 
 import pytest
+from tui_helpers import screen_text
+from tui_synthetic import busy_stream
 
 from batchtop.tui import model as model_module
 from batchtop.tui.app import BatchtopApp
 from batchtop.tui.sources import FeedSource
-from tui_helpers import screen_text
-from tui_synthetic import busy_stream
 
 STEPS_PER_S, ROWS, SECONDS, TICK_S = 200, 256, 30, 0.1
 

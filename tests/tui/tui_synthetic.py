@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 from batchtop.telemetry.events import (
-    FirstToken, PrefillChunk, RequestAdmitted, RequestArrived, RequestRetired, StepFinished, StepPlanned,
+    FirstToken,
+    PrefillChunk,
+    RequestAdmitted,
+    RequestArrived,
+    RequestRetired,
+    StepFinished,
+    StepPlanned,
 )
 
 

@@ -7,9 +7,9 @@ not be made, the tests skip and the summary says why.
 from __future__ import annotations
 
 import pytest
+from vllm_helpers import EVENTS_PORT, START_TIMEOUT_S, STOCK_PORT, EventFollower, options, skip_reason
 
 from batchtop.engine.vllm.launch import launch_vllm
-from vllm_helpers import START_TIMEOUT_S, STOCK_PORT, EVENTS_PORT, EventFollower, options, skip_reason
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import httpx
 import pytest
+from vllm_helpers import START_TIMEOUT_S, options, skip_reason
 
 from batchtop.engine.vllm.launch import launch_vllm, vllm_python
 from batchtop.engine.vllm.observer import StepObserver
 from batchtop.telemetry import events as ev
-from vllm_helpers import START_TIMEOUT_S, options, skip_reason
+
 
 def test_another_vllm_version_is_refused_with_a_clear_message():
     if skip_reason():

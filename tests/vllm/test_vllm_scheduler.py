@@ -5,15 +5,15 @@ import asyncio
 import re
 import sys
 import time
-from pathlib import Path
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from vllm_helpers import MAX_NUM_SEQS, NUM_GPU_BLOCKS, PORT, STOCK_PORT
 
 from batchtop.telemetry import events as ev
-from vllm_helpers import MAX_NUM_SEQS, NUM_GPU_BLOCKS, PORT, STOCK_PORT
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tui"))      # tui_helpers: screen text
 
@@ -163,9 +163,10 @@ def test_greedy_outputs_are_those_of_vllm_without_batchtop(vllm_server, stock_vl
 
 
 def test_the_dashboard_shows_vllms_running_requests_and_kv_level(vllm_server):
+    from tui_helpers import screen_text
+
     from batchtop.tui.app import BatchtopApp
     from batchtop.tui.remote_source import RemoteSource
-    from tui_helpers import screen_text
     events_url = vllm_server[1]
 
     async def drive():
@@ -203,8 +204,9 @@ def test_the_mirrored_slots_are_vllms_own_input_batch_rows():
     import json
     import subprocess
 
-    from batchtop.engine.vllm.launch import vllm_python
     from vllm_helpers import skip_reason
+
+    from batchtop.engine.vllm.launch import vllm_python
     if skip_reason():
         pytest.skip(f"no vLLM here: {skip_reason()}")
     script = Path(__file__).with_name("mirror_check.py")
@@ -217,8 +219,9 @@ def test_the_mirrored_slots_are_vllms_own_input_batch_rows():
 def test_a_late_subscriber_gets_a_snapshot_equal_to_the_events_folded_from_the_start(vllm_server, follower):
     """Mid-load, a client that joins live makes vLLM's scheduler publish an EngineSnapshot (its own
     state); the events folded from the first step on hold exactly that state at that point."""
-    from batchtop.telemetry.state import BatchState
     from vllm_helpers import EventFollower
+
+    from batchtop.telemetry.state import BatchState
     events_url = vllm_server[1]
 
     async def load_and_join():

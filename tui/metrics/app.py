@@ -13,12 +13,19 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.widgets import ContentSwitcher, Footer, Static
 
-from .source import NO_PAUSE_WHY, READ_ONLY_WHY, EngineView, MetricsSource
-from .widgets import (
-    METRIC_PLOTS, EnginesTable, IntervalLog, MetricsHeader, MetricsKvPanel, MetricsPlot, NeedsEventsPanel,
-)
 from batchtop.tui.plots import PLOT_WINDOWS_S
 from batchtop.tui.screens import HelpScreen
+
+from .source import NO_PAUSE_WHY, READ_ONLY_WHY, EngineView, MetricsSource
+from .widgets import (
+    METRIC_PLOTS,
+    EnginesTable,
+    IntervalLog,
+    MetricsHeader,
+    MetricsKvPanel,
+    MetricsPlot,
+    NeedsEventsPanel,
+)
 
 VIEWS = ("engines", "plots", "intervals")
 IDLE_REDRAW_TICKS = 10

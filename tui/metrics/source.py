@@ -23,7 +23,6 @@ import httpx
 
 from batchtop.telemetry.exposition import EngineSnapshot, Scrape, detect_flavour, parse_exposition
 from batchtop.telemetry.intervals import Interval, derive
-
 from batchtop.tui.sources import Source
 
 MAX_INTERVALS = 3600                 # per engine: an hour at the default period
