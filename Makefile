@@ -29,6 +29,7 @@ run: setup
 	$(VENV)/bin/batchtop
 
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 # Long reliability runs (docs/reliability.md); `make test` runs bounded versions of each.

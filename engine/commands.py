@@ -82,13 +82,15 @@ def throughput_line(completions, elapsed: float, steps: int) -> str:
     prompt = sum(len(c.prompt_token_ids) for c in completions)
     output = sum(len(c.token_ids) for c in completions)
     return (f"{len(completions)} requests, {prompt} prompt + {output} output tokens in {elapsed:.2f} s "
-            f"over {steps} steps: {output / elapsed:.1f} output tok/s, {(prompt + output) / elapsed:.1f} total tok/s")
+            f"over {steps} steps: {output / elapsed:.1f} output tok/s, {(prompt + output) / elapsed:.1f} "
+            "total tok/s")
 
 
 # -- record ------------------------------------------------------------------------------------------
 
 def add_record(sub) -> None:
-    record = sub.add_parser("record", help="run the embedded engine headless under a load and record its events")
+    record = sub.add_parser("record",
+                            help="run the embedded engine headless under a load and record its events")
     record.add_argument("--out", required=True, help="the JSONL event log to write")
     record.add_argument("--duration", type=float, default=None,
                         help="seconds to run (default: until a --trace is served and drained)")
@@ -113,7 +115,8 @@ def load_from_args(args):
     if args.trace:
         return TraceLoad.from_file(args.trace)
     dists = [LengthDist(getattr(args, f"{w}_dist"), getattr(args, f"{w}_mean"), getattr(args, f"{w}_low"),
-                        getattr(args, f"{w}_high"), getattr(args, f"{w}_alpha")) for w in ("prompt", "output")]
+                        getattr(args, f"{w}_high"),
+                        getattr(args, f"{w}_alpha")) for w in ("prompt", "output")]
     return PoissonLoad(args.rate, *dists, seed=args.seed)
 
 
@@ -136,7 +139,8 @@ def cmd_record(args) -> int:
         loop.stop()
         if loop.error is not None:
             raise loop.error
-    print(f"recorded {recorder.num_written} events over {engine.step_count} steps to {args.out}", file=sys.stderr)
+    print(f"recorded {recorder.num_written} events over {engine.step_count} steps to {args.out}",
+          file=sys.stderr)
     return 0
 
 

@@ -19,8 +19,10 @@ DEFAULT = EngineConfig          # its fields' defaults are the flags' defaults
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT.model, help="smollm2 (default), tiny, an HF folder or a .gguf file")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "static_batch_size"):
+    g.add_argument("--model", default=DEFAULT.model,
+                   help="smollm2 (default), tiny, an HF folder or a .gguf file")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+                 "static_batch_size"):
         g.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(DEFAULT, name),
                        help=KNOBS[name].help)
     kv = g.add_mutually_exclusive_group()
@@ -29,16 +31,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=DEFAULT.block_size, help="tokens per KV block")
     g.add_argument("--policy", choices=POLICIES, default=DEFAULT.policy)
     for name in ("preemption_mode", "batching_mode"):
-        g.add_argument(f"--{name.replace('_', '-')}", choices=KNOBS[name].choices, default=getattr(DEFAULT, name),
-                       help=KNOBS[name].help)
+        g.add_argument(f"--{name.replace('_', '-')}", choices=KNOBS[name].choices,
+                       default=getattr(DEFAULT, name), help=KNOBS[name].help)
     g.add_argument("--layout", choices=LAYOUTS, default=DEFAULT.layout, help="persistent batch layout")
     g.add_argument("--attention-backend", choices=BACKENDS, default=DEFAULT.attention_backend)
     g.add_argument("--dtype", choices=DTYPES, default=DEFAULT.dtype)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--device", default=DEFAULT.device, help="cpu (default), cuda or cuda:N")
     g.add_argument("--cuda-graphs", choices=CUDA_GRAPH_MODES, default=DEFAULT.cuda_graphs,
-                   help="on CUDA, decode steps replay graphs captured at start (default on; eager: the graphs' "
-                        "buffers and padding without capture, any device)")
+                   help="on CUDA, decode steps replay graphs captured at start (default on; eager: the "
+                        "graphs' buffers and padding without capture, any device)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -120,7 +120,8 @@ def _check_lengths(starts: list[int], query_lens: list[int], lens: list[int], ca
         raise ValueError(f"query_start_loc must start at 0, got {starts[0]}")
     for b, (query_len, seq_len) in enumerate(zip(query_lens, lens)):
         if query_len < 0:
-            raise ValueError(f"query_start_loc must be non-decreasing (sequence {b} has query_len {query_len})")
+            raise ValueError(f"query_start_loc must be non-decreasing (sequence {b} has query_len "
+                             f"{query_len})")
         if not query_len <= seq_len <= capacity:
             raise ValueError(
                 f"sequence {b}: need query_len ({query_len}) <= seq_len ({seq_len}) <= "

@@ -58,7 +58,8 @@ def _write_kv_cache_kernel(
 
 @triton.jit
 def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
-    """The sequence b with first_tile(b) <= tile < first_tile(b + 1), first_tile(b) = qsl[b] // BLOCK_Q + b."""
+    """The sequence b with first_tile(b) <= tile < first_tile(b + 1), where
+    first_tile(b) = qsl[b] // BLOCK_Q + b."""
     lo: tl.int32 = 0  # annotated so the loop-carried values keep one type when compiled
     hi: tl.int32 = num_seqs
     while lo < hi:

@@ -98,7 +98,8 @@ def bench_bandwidth(batches, contexts, shape: Shape, device: str) -> None:
     from batchtop.kernels import attention_triton  # after TRITON_INTERPRET is settled
 
     print(f"decode attention, {shape}, device={device}")
-    print(f"{'batch':>6} {'context':>8} {'triton us':>10} {'GB/s':>8} {'torch us':>10} {'GB/s':>8} {'max diff':>9}")
+    print(f"{'batch':>6} {'context':>8} {'triton us':>10} {'GB/s':>8} {'torch us':>10} {'GB/s':>8} "
+          f"{'max diff':>9}")
     scale = shape.head_dim**-0.5
     for context in contexts:
         for batch in batches:
@@ -114,7 +115,7 @@ def bench_bandwidth(batches, contexts, shape: Shape, device: str) -> None:
             gbs = {name: step.bytes_read() / t / 1e9 for name, t in times.items()}
             print(f"{batch:>6} {context:>8} {times['triton'] * 1e6:>10.1f} {gbs['triton']:>8.1f} "
                   f"{times['torch'] * 1e6:>10.1f} {gbs['torch']:>8.1f} {diff:>9.2e}")
-            del step, outs
+            step = outs = None          # free the step's tensors before the next one
             if device == "cuda":
                 torch.cuda.empty_cache()
 
@@ -143,7 +144,8 @@ def bench_torch_cpu_calls(shape: Shape, context: int, threads: int) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, triton interpreted")
     parser.add_argument("--torch-cpu-calls", action="store_true", help="per-call time of the torch path")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -41,7 +41,8 @@ BLOCK = 32                     # k per scale and offset of a block-packed weight
 # whole model's products, one process: 24 rows level with the FMA path, 20 rows 10% slower).
 AMX_MIN_ROWS = 24
 
-STALE_LOCK_S = 300.0          # an interrupted build's lock, untouched this long, is broken (a build takes ~1 min)
+# an interrupted build's lock, untouched this long, is broken (a build takes ~1 min)
+STALE_LOCK_S = 300.0
 LOCK_POLL_S = 0.5
 FEATURES_FILE = "cpu_features"  # beside the library: the flags it was compiled for
 
@@ -56,7 +57,8 @@ def cpu_features() -> str:
     flags = ""
     try:
         with open("/proc/cpuinfo") as info:
-            flags = next((line.split(":", 1)[1] for line in info if line.startswith(("flags", "Features"))), "")
+            flags = next((line.split(":",
+                                     1)[1] for line in info if line.startswith(("flags", "Features"))), "")
     except OSError:                 # not Linux: the processor's name is the best key at hand
         flags = platform.processor()
     return " ".join([platform.machine(), *sorted(set(flags.split()))])
@@ -79,7 +81,8 @@ def _load():
             except Exception as error:          # no compiler, no headers: the torch paths serve
                 _failed = _first_line(error)
                 print(f"batchtop: the C++ CPU kernels are unavailable ({_failed}); the engine uses torch's "
-                      f"operators instead, slower (BATCHTOP_VERBOSE_BUILD=1 shows the build)", file=sys.stderr)
+                      f"operators instead, slower (BATCHTOP_VERBOSE_BUILD=1 shows the build)",
+                      file=sys.stderr)
             finally:
                 _building = None
     return _module
@@ -111,7 +114,8 @@ def _drop_foreign_build(build_dir: Path, features: str) -> None:
     except OSError:
         return
     if marked != features:
-        print(f"batchtop: {build_dir} was built for other CPU features; rebuilding it for this CPU", file=sys.stderr)
+        print(f"batchtop: {build_dir} was built for other CPU features; rebuilding it for this CPU",
+              file=sys.stderr)
         for entry in build_dir.iterdir():
             if entry.is_file() or entry.is_symlink():
                 entry.unlink()
@@ -175,8 +179,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Decode attention of `query` `[rows, Hq, D]` (one token per row) over each row's paged KV."""
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         query = query.contiguous()
-    return _load().paged_decode(query, k_cache, v_cache, _as(block_table, torch.int32), _as(seq_lens, torch.int32),
-                                float(scale))
+    return _load().paged_decode(query, k_cache, v_cache, _as(block_table, torch.int32),
+                                _as(seq_lens, torch.int32), float(scale))
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -198,7 +202,8 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.panels, self.scale, self.offset) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.panels, self.scale,
+                                                          self.offset) if t is not None)
 
 
 def pack_linear(weight: torch.Tensor, blocks: bool = True) -> PackedLinear:
@@ -218,7 +223,8 @@ def _nibbles(panels: torch.Tensor) -> torch.Tensor:
     """int8 q panels `[P, K, 48]` of values 0..15 -> uint8 `[P, K, 24]`: byte j < 16 holds column j
     (low nibble) and 16 + j (high), byte 16 + j holds column 32 + j and 40 + j (the kernel's decode)."""
     q = panels.to(torch.uint8)
-    return torch.cat([q[..., :16] | q[..., 16:32] << 4, q[..., 32:40] | q[..., 40:] << 4], dim=-1).contiguous()
+    return torch.cat([q[..., :16] | q[..., 16:32] << 4, q[..., 32:40] | q[..., 40:] << 4],
+                     dim=-1).contiguous()
 
 
 def _panels(matrix: torch.Tensor) -> torch.Tensor:
@@ -236,7 +242,8 @@ def exact_blocks(weight: torch.Tensor, rows_at_once: int = 4096):
     n, k = weight.shape
     if k % BLOCK or n == 0:
         return None
-    q, scale, offset = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // BLOCK), torch.empty(n, k // BLOCK)
+    q = torch.empty(n, k, dtype=torch.int8)
+    scale, offset = torch.empty(n, k // BLOCK), torch.empty(n, k // BLOCK)
     for start in range(0, n, rows_at_once):       # a few MB at a time, so the temporaries stay in cache
         v = weight[start:start + rows_at_once].reshape(-1, k // BLOCK, BLOCK)
         low, high = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
@@ -255,7 +262,8 @@ def exact_blocks(weight: torch.Tensor, rows_at_once: int = 4096):
     return q, scale, offset
 
 
-def packed_linear(x: torch.Tensor, packed: PackedLinear, amx_min_rows: int | None = AMX_MIN_ROWS) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: PackedLinear,
+                  amx_min_rows: int | None = AMX_MIN_ROWS) -> torch.Tensor:
     """`x` `[M, K]` times the packed weight's transpose: `[M, out_features]`. A block weight's
     product runs on the AMX tile unit from `amx_min_rows` rows (None: never, the FMA path, bit for
     bit the fp32 panels' result)."""
@@ -271,7 +279,8 @@ def amx_available() -> bool:
     return available() and _load().amx_available()
 
 
-def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
     """`hidden += delta` in place (when given), then transformers' LlamaRMSNorm of `hidden`."""
     return _load().add_rms_norm(hidden, delta, weight, float(eps))
 

@@ -25,13 +25,15 @@ def sample_events(batch_rows: int = 32) -> list[Event]:
     return [
         StepPlanned(step=1000, t=1.0, prefill_tokens=0, decode_tokens=batch_rows, num_prefill_rows=0,
                     num_decode_rows=batch_rows, num_padding_rows=0, token_budget=2048, num_running=batch_rows,
-                    num_waiting=3, kv_blocks_used=812, kv_blocks_total=4096, recompute_tokens=0, num_recompute_rows=0),
-        RequestAdmitted(step=1000, t=1.0, request_id="req-000123", slot=5, num_computed_tokens=0, resumed=False),
+                    num_waiting=3, kv_blocks_used=812, kv_blocks_total=4096, recompute_tokens=0,
+                    num_recompute_rows=0),
+        RequestAdmitted(step=1000, t=1.0, request_id="req-000123", slot=5, num_computed_tokens=0,
+                        resumed=False),
         PrefillChunk(step=1000, t=1.0, request_id="req-000123", num_tokens=512, num_computed_tokens=512,
                      num_known_tokens=512),
         StepFinished(step=1000, t=1.01, num_rows=batch_rows, num_tokens=batch_rows, sampled_request_ids=ids,
-                     num_running=batch_rows, num_waiting=3, kv_blocks_used=812, kv_blocks_total=4096, schedule_s=1e-4,
-                     prepare_s=2e-4, forward_s=8e-3, sample_s=3e-4, update_s=1e-4),
+                     num_running=batch_rows, num_waiting=3, kv_blocks_used=812, kv_blocks_total=4096,
+                     schedule_s=1e-4, prepare_s=2e-4, forward_s=8e-3, sample_s=3e-4, update_s=1e-4),
         FirstToken(step=1000, t=1.01, request_id="req-000123", ttft_s=0.25),
     ]
 
@@ -84,7 +86,7 @@ def measure(n: int = 200_000, repeat: int = 5) -> list[tuple[str, float]]:
     sub = bus.subscribe(maxlen=10_000)
     rows.append(("`FlightRecorder.tee(bus.publish)`, 1 subscriber (the engine's sink in the dashboard)",
                  _per_event_ns(loop(FlightRecorder().tee(bus.publish)), events, repeat)))
-    del sub
+    sub.close()
     log = EventLog(maxlen=None)
     rows.append(("`EventLog.append` (standalone sink)",
                  _per_event_ns(loop(log.append), events, repeat)))

@@ -12,7 +12,8 @@ FORMATS = ["chrome", "csv", "summary"]
 
 
 def add_export(sub) -> None:
-    export = sub.add_parser("export", help="turn a recorded log into a Chrome/Perfetto trace, a CSV or a summary")
+    export = sub.add_parser("export",
+                            help="turn a recorded log into a Chrome/Perfetto trace, a CSV or a summary")
     export.add_argument("log")
     export.add_argument("--format", choices=FORMATS, default="summary")
     export.add_argument("--out", help="file to write (default: stdout)")

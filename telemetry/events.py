@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-SCHEMA_VERSION = 2              # 2: named fields, row kinds, blocks, snapshots, admission, failed steps, graph padding
+# 2: named fields, row kinds, blocks, snapshots, admission, failed steps, graph padding
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

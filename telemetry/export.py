@@ -268,8 +268,8 @@ def format_summary(s: MetricsSummary, header: dict | None = None) -> str:
         f"steps             {s.num_steps}",
         f"row-steps         total {s.row_steps_total}  useful {s.row_steps_useful}",
         f"batch utilisation {_num(s.batch_utilisation, '.3f')}",
-        f"throughput        in {_num(s.throughput_in_tok_s, '.1f')} tok/s ({s.num_prompt_tokens} prompt tokens)"
-        f"  out {_num(s.throughput_out_tok_s, '.1f')} tok/s ({s.num_output_tokens} output tokens)",
+        f"throughput        in {_num(s.throughput_in_tok_s, '.1f')} tok/s ({s.num_prompt_tokens} prompt "
+        f"tokens)  out {_num(s.throughput_out_tok_s, '.1f')} tok/s ({s.num_output_tokens} output tokens)",
         _dist_line("TTFT", s.ttft),
         _dist_line("TPOT", s.tpot),
         _dist_line("ITL", s.itl),

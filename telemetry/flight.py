@@ -48,7 +48,8 @@ class FlightRecorder:
     def __init__(self, max_steps: int = DEFAULT_STEPS, *, max_events: int = DEFAULT_MAX_EVENTS,
                  header: Callable[[], dict] | None = None, directory: str | None = None):
         if max_steps < 1 or max_events < 1:
-            raise ValueError(f"a flight recorder keeps at least one step and one event, got {max_steps}, {max_events}")
+            raise ValueError(f"a flight recorder keeps at least one step and one event, got {max_steps}, "
+                             f"{max_events}")
         self.max_steps = max_steps
         self.header = header or dict
         self.directory = directory

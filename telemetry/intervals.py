@@ -30,7 +30,8 @@ class Interval:
     prompt_tokens: float | None = None
     generation_tokens: float | None = None
     prefix_hit_rate: float | None = None       # hits / queries over the interval, in tokens
-    latency: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # name -> (p50, p99) s
+    # name -> (p50, p99) s
+    latency: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
     running: float | None = None
     waiting: float | None = None
     waiting_by_reason: dict[str, float] = field(default_factory=dict)

@@ -45,10 +45,11 @@ class BatchState:
         self.num_snapshots = 0
         self._handlers = {
             ev.RequestArrived: self._arrived, ev.RequestAdmitted: self._admitted,
-            ev.BlocksAllocated: self._allocated, ev.PrefillChunk: self._chunk, ev.StepFinished: self._finished,
-            ev.RowMoved: self._moved, ev.RequestPreempted: self._evicted, ev.RequestRetracted: self._evicted,
-            ev.RequestRetired: self._retired, ev.PaddingReleased: self._released,
-            ev.EngineSnapshot: self._snapshot, ev.EventsDropped: self._dropped,
+            ev.BlocksAllocated: self._allocated, ev.PrefillChunk: self._chunk,
+            ev.StepFinished: self._finished, ev.RowMoved: self._moved, ev.RequestPreempted: self._evicted,
+            ev.RequestRetracted: self._evicted, ev.RequestRetired: self._retired,
+            ev.PaddingReleased: self._released, ev.EngineSnapshot: self._snapshot,
+            ev.EventsDropped: self._dropped,
         }
 
     def feed(self, events) -> None:

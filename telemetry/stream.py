@@ -99,7 +99,8 @@ def sse(data: str, *, event: str | None = None, id: int | None = None) -> bytes:
     return ServerSentEvent(data, event=event, id=None if id is None else str(id), sep=SSE_SEP).encode()
 
 
-def resolve_start(ring: EventRing, last_event_id: str | None, from_step: int | None) -> tuple[int, dict | None]:
+def resolve_start(ring: EventRing, last_event_id: str | None,
+                  from_step: int | None) -> tuple[int, dict | None]:
     """Where a stream starts (a seq) and the gap notice to send first, if any."""
     oldest = ring.oldest_seq
     if last_event_id is not None:
@@ -151,7 +152,8 @@ async def event_stream(ring: EventRing, start: int, hello: dict, notice: dict | 
 
 
 def events_response(ring: EventRing, last_event_id: str | None, from_step: int | None, hello: dict, *,
-                    closing=lambda: False, heartbeat_s: float = HEARTBEAT_S, on_join=None) -> EventSourceResponse:
+                    closing=lambda: False, heartbeat_s: float = HEARTBEAT_S,
+                    on_join=None) -> EventSourceResponse:
     """The `GET /v1/events` answer; ValueError when `Last-Event-ID` is not an event seq. `on_join()` is
     called when the stream joins live or after a gap (the client holds no exact state: the engine
     should publish a snapshot).
@@ -165,7 +167,11 @@ def events_response(ring: EventRing, last_event_id: str | None, from_step: int |
         on_join()
     return EventSourceResponse(event_stream(ring, start, hello, notice, closing=closing), headers=SSE_HEADERS,
                                sep=SSE_SEP, ping=heartbeat_s,
-                               ping_message_factory=lambda: ServerSentEvent(comment="keep-alive", sep=SSE_SEP))
+                               ping_message_factory=_keep_alive)
+
+
+def _keep_alive() -> ServerSentEvent:
+    return ServerSentEvent(comment="keep-alive", sep=SSE_SEP)
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,

@@ -59,5 +59,6 @@ def test_a_command_imports_nothing_heavy_it_does_not_run(argv):
 @pytest.mark.parametrize("module", sorted(set(COMMANDS.values())))
 def test_each_command_module_is_cheap_to_import(module):
     code = f"import sys, {module}; print([m for m in {HEAVY!r} if m in sys.modules])"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=True)
     assert result.stdout.strip() == "[]"

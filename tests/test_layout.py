@@ -77,7 +77,8 @@ def test_engine_never_imports_the_dashboard():
 
 
 def test_the_load_the_engine_loop_runs_is_a_leaf():
-    """engine/core/loop.py reads the built-in load's arrivals; they import nothing of batchtop, so no cycle."""
+    """engine/core/loop.py reads the built-in load's arrivals; they import nothing of batchtop, so there
+    is no cycle."""
     assert "batchtop.engine.workload.arrivals" in MODULES["batchtop.engine.core.loop"]
     assert offending("batchtop.engine.workload.arrivals", ("batchtop",)) == {}
 

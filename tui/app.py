@@ -108,9 +108,9 @@ class BatchtopApp(App):
     ]
 
     def __init__(self, source: Source | None = None, *, source_factory: Callable[[], Source] | None = None,
-                 loading_what: str = "engine", tick_s: float | None = 0.1, clock: Callable[[], float] | None = None,
-                 plot_every: int = 10, record_path: str | None = None, refresh_s: float = 0.0,
-                 message: str = ""):
+                 loading_what: str = "engine", tick_s: float | None = 0.1,
+                 clock: Callable[[], float] | None = None, plot_every: int = 10,
+                 record_path: str | None = None, refresh_s: float = 0.0, message: str = ""):
         super().__init__()
         self.source: Source = source or LoadingSource(loading_what)
         self._source_factory = source_factory

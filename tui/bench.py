@@ -69,7 +69,7 @@ def run_with_dashboard(loaded, prompts, lengths, config, folder, refresh_s: floa
 
     async def drive() -> float:
         app = BatchtopApp(source, record_path=str(Path(folder) / "dashboard.jsonl"), refresh_s=refresh_s)
-        async with app.run_test(size=size) as pilot:
+        async with app.run_test(size=size):
             start = time.perf_counter()
             done = _submit_trace(loop, prompts, lengths)
             while not done.is_set():
@@ -111,16 +111,17 @@ def main(argv=None) -> int:
                                         run_recorder_only(loaded, prompts, lengths, config, folder))
             for period in periods:
                 best[label(period)] = min(best[label(period)],
-                                          run_with_dashboard(loaded, prompts, lengths, config, folder, period))
+                                          run_with_dashboard(loaded, prompts, lengths, config,
+                                                             folder, period))
             print({k: round(v, 2) for k, v in best.items()}, flush=True)
     useful = sum(lengths)
     base = best["recorder only"]
     lines = [SECTION, "",
              f"`python -m batchtop.tui.bench`, {args.model} fp32, {args.threads} threads, "
-             f"{time.strftime('%Y-%m-%d')}: {len(prompts)} requests of the engine trace ({useful} output tokens) "
-             f"through the engine thread, with the recorder alone and with the dashboard (headless Textual run at "
-             f"120x40, polling at 10 Hz, redrawing at most once per period while events flow) attached and "
-             f"recording; alternated {args.rounds} times, best of each.", "",
+             f"{time.strftime('%Y-%m-%d')}: {len(prompts)} requests of the engine trace ({useful} output "
+             "tokens) through the engine thread, with the recorder alone and with the dashboard (headless "
+             "Textual run at 120x40, polling at 10 Hz, redrawing at most once per period while events flow) "
+             f"attached and recording; alternated {args.rounds} times, best of each.", "",
              "| listeners | wall s | out tok/s | throughput kept |", "|---|---:|---:|---:|"]
     for name, seconds in best.items():
         lines.append(f"| {name} | {seconds:.2f} | {useful / seconds:.1f} | {base / seconds:.1%} |")

@@ -27,7 +27,8 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="batchtop", description="top for the batch of an LLM inference engine")
+    parser = argparse.ArgumentParser(prog="batchtop",
+                                     description="top for the batch of an LLM inference engine")
     sub = parser.add_subparsers(dest="command")
     for name, module in COMMANDS.items():
         importlib.import_module(module).COMMANDS[name](sub)

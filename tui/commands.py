@@ -1,4 +1,5 @@
-"""`batchtop dashboard` (also plain `batchtop`), `batchtop replay` and `batchtop top`: the dashboard's commands.
+"""The dashboard's commands: `batchtop dashboard` (also plain `batchtop`), `batchtop replay` and
+`batchtop top`.
 
 `COMMANDS` maps each command's name to the function that adds its parser; Textual, the
 engine and httpx are imported when a command runs, not when its parser is built.
@@ -35,7 +36,8 @@ def add_refresh_flag(parser) -> None:
 # -- the dashboard over the embedded engine ----------------------------------------------------------
 
 def add_dashboard(sub) -> None:
-    dash = sub.add_parser("dashboard", help="the live dashboard over the embedded engine and its load generator")
+    dash = sub.add_parser("dashboard",
+                          help="the live dashboard over the embedded engine and its load generator")
     add_engine_flags(dash)
     load = dash.add_argument_group("load generator")
     load.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second (0: none)")
@@ -64,7 +66,8 @@ def cmd_dashboard(args) -> int:
 
     def build():
         source = EngineSource.create(config, load_rate=args.rate, length_dist=args.length_dist,
-                                     prompt_mean=args.prompt_mean, output_mean=args.output_mean, seed=args.seed)
+                                     prompt_mean=args.prompt_mean, output_mean=args.output_mean,
+                                     seed=args.seed)
         if args.scenario:
             source.start_scenario(args.scenario, "cli")
         return source
@@ -105,7 +108,8 @@ def add_top(sub) -> None:
     top.add_argument("--period", type=float, default=1.0, metavar="SECONDS",
                      help="over /metrics: scrape every SECONDS (default 1)")
     top.add_argument("--engine", default=None,
-                     help="over /metrics: the engine to show first, e.g. engine=1 (e cycles; default the first)")
+                     help="over /metrics: the engine to show first, e.g. engine=1 (e cycles; default the "
+                          "first)")
     add_refresh_flag(top)
     top.set_defaults(func=cmd_top)
 

@@ -69,7 +69,8 @@ SLOT_KINDS: dict[str, tuple[str, str, str, str]] = {
     "admitted": ("+", "bold bright_green", "new", "just admitted"),
     "moved": ("↓", "bold magenta", "moved", "just moved by condense"),
     "padding": ("░", "blue", "pad", "padding: finished row of a static batch"),
-    "graph": ("▫", "cyan", "graph", "graph padding: a row computed only to fill the replayed CUDA graph's size"),
+    "graph": ("▫", "cyan", "graph",
+              "graph padding: a row computed only to fill the replayed CUDA graph's size"),
     "retracted": ("×", "bold red", "out", "just preempted or retracted"),
     "hole": ("○", "red", "hole", "hole: free slot below a live row"),
     "free": ("·", "bright_black", "free", "free"),
@@ -226,7 +227,8 @@ class DashboardModel:
             self.history.append(HistoryPoint(
                 self._bucket_end, self._bucket_out / HISTORY_BUCKET_S, self._bucket_in / HISTORY_BUCKET_S,
                 self.num_running, self.num_waiting, self.kv_pct,
-                *_p50_p99(self.ttft_samples, self._bucket_end), *_p50_p99(self.tpot_samples, self._bucket_end)))
+                *_p50_p99(self.ttft_samples, self._bucket_end),
+                *_p50_p99(self.tpot_samples, self._bucket_end)))
             self._bucket_out = self._bucket_in = 0
             self._bucket_end += HISTORY_BUCKET_S
             if t - self._bucket_end > HISTORY_BUCKET_S * MAX_HISTORY:

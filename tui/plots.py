@@ -18,9 +18,10 @@ from .model import HISTORY_BUCKET_S, LATENCY_WINDOW_S, DashboardModel, HistoryPo
 
 PLOT_WINDOWS_S = (30.0, 60.0, 300.0, 600.0)
 RATE_SLIDE_S = 1.0              # throughput: tokens over the last second at each point
-KNOB_SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tok", "long_prefill_token_threshold": "chunk",
-              "batching_mode": "mode", "preemption_mode": "preempt", "static_batch_size": "B",
-              "dynamic_timeout_s": "timeout", "load_rate": "rate", "length_dist": "dist"}
+KNOB_SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tok",
+              "long_prefill_token_threshold": "chunk", "batching_mode": "mode", "preemption_mode": "preempt",
+              "static_batch_size": "B", "dynamic_timeout_s": "timeout", "load_rate": "rate",
+              "length_dist": "dist"}
 
 
 @dataclass(frozen=True)
@@ -33,12 +34,14 @@ class PlotSpec:
 
 
 PLOTS: dict[str, PlotSpec] = {
-    "throughput": PlotSpec(f"throughput over a {RATE_SLIDE_S:g} s sliding window", f"tok/s, {RATE_SLIDE_S:g} s window",
-                           "tok/s",
+    "throughput": PlotSpec(f"throughput over a {RATE_SLIDE_S:g} s sliding window",
+                           f"tok/s, {RATE_SLIDE_S:g} s window", "tok/s",
                            (("out", lambda p: p.out_tok_s), ("in", lambda p: p.in_tok_s)), slide=True),
-    "rows": PlotSpec("requests", "rows", "rows", (("running", lambda p: p.running), ("waiting", lambda p: p.waiting))),
+    "rows": PlotSpec("requests", "rows", "rows",
+                     (("running", lambda p: p.running), ("waiting", lambda p: p.waiting))),
     "kv": PlotSpec("KV pool in use", "KV % used", "% of blocks", (("kv", lambda p: p.kv_pct),)),
-    "latency": PlotSpec(f"latency percentiles over {LATENCY_WINDOW_S:g} s", f"ms, {LATENCY_WINDOW_S:g} s window", "ms",
+    "latency": PlotSpec(f"latency percentiles over {LATENCY_WINDOW_S:g} s",
+                        f"ms, {LATENCY_WINDOW_S:g} s window", "ms",
                         (("ttft p50", lambda p: _ms(p.ttft_p50)), ("ttft p99", lambda p: _ms(p.ttft_p99)),
                          ("tpot p50", lambda p: _ms(p.tpot_p50)), ("tpot p99", lambda p: _ms(p.tpot_p99)))),
 }
@@ -59,7 +62,8 @@ def sliding_mean(values: list[float], width: int) -> list[float]:
     return out
 
 
-def plot_series(spec: PlotSpec, points: list[HistoryPoint], end: float) -> list[tuple[str, list[float], list[float]]]:
+def plot_series(spec: PlotSpec, points: list[HistoryPoint],
+                end: float) -> list[tuple[str, list[float], list[float]]]:
     """(label, xs, ys) per series with data; x is seconds before `end`."""
     out = []
     width = max(1, round(RATE_SLIDE_S / HISTORY_BUCKET_S))

@@ -73,11 +73,13 @@ class RemoteSource(Source):
             knobs["block_size"] = state["block_size"]
         self.knobs = knobs
         self._paused = bool(state.get("paused"))
-        self.meta = {**self.meta, "model": state.get("model"), "preemption_mode": knobs.get("preemption_mode")}
+        self.meta = {**self.meta, "model": state.get("model"),
+                     "preemption_mode": knobs.get("preemption_mode")}
         engine = state.get("engine")        # another engine's facts (batchtop's scheduler inside vLLM)
         if engine:
             self.meta.update(device=engine, slots=state.get("slots"),
-                             **{k: state[k] for k in ("batching_mode", "layout", "preemption_mode") if k in state})
+                             **{k: state[k] for k in ("batching_mode", "layout",
+                                                      "preemption_mode") if k in state})
 
     @property
     def paused(self) -> bool:
@@ -90,7 +92,9 @@ class RemoteSource(Source):
     def status(self) -> str:
         if self.connected:
             return f"{'paused' if self._paused else 'live'} · {self.url}"
-        wait = "" if self.retry_at is None else f"; retrying in {max(0.0, self.retry_at - time.monotonic()):.1f} s"
+        wait = ""
+        if self.retry_at is not None:
+            wait = f"; retrying in {max(0.0, self.retry_at - time.monotonic()):.1f} s"
         return f"disconnected from {self.url}: {self.last_error or 'connecting'}{wait}"
 
     # -- the stream thread -------------------------------------------------------------------
@@ -115,7 +119,8 @@ class RemoteSource(Source):
                     if self._read_stream(client):
                         delay = self.backoff_s[0]      # it had worked: start the backoff over
                 except (httpx.HTTPError, OSError, ValueError) as error:
-                    self.last_error = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+                    name = type(error).__name__
+                    self.last_error = f"{name}: {error}" if str(error) else name
                 self.connected = False
                 self._response = None
                 if self._stop.is_set():
@@ -156,7 +161,8 @@ class RemoteSource(Source):
 
     def _hello(self, hello: dict) -> bool:
         """False when the server is not the one we followed (restarted): start over from its history."""
-        if self.server_id is not None and hello.get("server_id") != self.server_id and self.last_seq is not None:
+        restarted = self.server_id is not None and hello.get("server_id") != self.server_id
+        if restarted and self.last_seq is not None:
             self.server_id, self.last_seq = hello.get("server_id"), None
             return False
         first = self.server_id is None
@@ -174,7 +180,8 @@ class RemoteSource(Source):
         lost = notice.get("lost") or 0
         with self._lock:
             last_t = self._pending[-1].t if self._pending else 0.0
-            self._pending.append(EventsDropped(step=notice.get("oldest_step") or 0, t=last_t, count=int(lost)))
+            self._pending.append(EventsDropped(step=notice.get("oldest_step") or 0, t=last_t,
+                                               count=int(lost)))
 
     def _event(self, data: str, event_id: str | None) -> None:
         event = decode_event(data)

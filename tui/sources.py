@@ -94,7 +94,8 @@ class FeedSource(Source):
 
     kind = "feed"
 
-    def __init__(self, knobs: dict | None = None, meta: dict | None = None, clock: Callable[[], float] | None = None):
+    def __init__(self, knobs: dict | None = None, meta: dict | None = None,
+                 clock: Callable[[], float] | None = None):
         super().__init__()
         self.knobs = dict(knobs or {})
         self.meta = dict(meta or {})
@@ -367,7 +368,8 @@ class EngineSource(Source):
         self.loop.start_scenario(scenario, source)
         fixed = {k: v for k, v in scenario.config.items() if k not in self.engine.knobs()
                  and getattr(self.engine.config, k, v) != v}
-        note = ("; needs `batchtop --scenario " + name + "` for " + ", ".join(f"{k}={v}" for k, v in fixed.items())
+        note = ("; needs `batchtop --scenario " + name + "` for "
+                + ", ".join(f"{k}={v}" for k, v in fixed.items())
                 if fixed else "")
         return f"scenario {name}: {scenario.watch}{note}"
 
@@ -385,14 +387,16 @@ class EngineSource(Source):
             return f"already recording to {self._recorder.path}"
         try:
             self._recorder = Recorder(path, model=self.meta.get("model"), knobs=self._current_knobs(),
-                                      bus=self.bus, header_extra={k: v for k, v in self.meta.items() if k != "model"})
+                                      bus=self.bus,
+                                      header_extra={k: v for k, v in self.meta.items() if k != "model"})
         except OSError as error:
             return f"cannot record to {path}: {error}"
         return None
 
     def _current_knobs(self) -> dict:
         knobs = dict(self.engine.knobs())
-        knobs.update({k: self.knobs[k] for k in ("block_size", "load_rate", "length_dist") if k in self.knobs})
+        knobs.update({k: self.knobs[k] for k in ("block_size", "load_rate",
+                                                 "length_dist") if k in self.knobs})
         load = self.loop.load
         if load is not None and hasattr(load, "rate"):
             knobs["load_rate"], knobs["length_dist"] = load.rate, load.output.kind

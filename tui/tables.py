@@ -70,7 +70,8 @@ def cell_values(req: RequestView, now: float, model: DashboardModel) -> list[str
         req.request_id, req.state, str(req.slot) if req.slot >= 0 else "-",
         "-" if req.num_prompt_tokens is None else str(req.num_prompt_tokens),
         str(req.num_computed_tokens), str(req.num_output_tokens), "-" if kv is None else str(kv),
-        waited_cell(req, now, model), fmt_seconds(req.ttft_s), fmt_seconds(req.age_s(now)), str(req.num_preemptions),
+        waited_cell(req, now, model), fmt_seconds(req.ttft_s), fmt_seconds(req.age_s(now)),
+        str(req.num_preemptions),
     ]
 
 
@@ -117,7 +118,8 @@ class RequestTable(Static):
         text = Text()
         for i, column in enumerate(COLUMNS):
             arrow = ("▼" if self.sort_reverse else "▲") if i == self.sort_column else ""
-            label = (column.name + arrow).rjust(column.width) if i > 1 else (column.name + arrow).ljust(column.width)
+            label = (column.name + arrow).rjust(column.width) if i > 1 else (column.name
+                                                                             + arrow).ljust(column.width)
             text.append(label + " ", style="bold reverse" if i == self.sort_column else "bold")
         text.append(f"  {len(model.live)} live, {len(model.retired)} done\n", style="bright_black")
         visible = max(1, self.size.height - 1)

@@ -52,9 +52,10 @@ class HeaderBar(Static):
         line.append(f"  {rates.steps_per_s:.1f} st/s  in {fmt_rate(rates.prefill_tok_per_s)}"
                     f" out {fmt_rate(rates.output_tok_per_s)} tok/s  ")
         line.append(f"{meta.get('model') or '?'}", style="bold")
-        line.append(f" {meta.get('device') or ''} {knobs.get('batching_mode') or meta.get('batching_mode') or '?'}"
-                    f"/{meta.get('layout') or knobs.get('layout') or '?'}"
-                    f"/{knobs.get('preemption_mode') or meta.get('preemption_mode') or '?'}")
+        modes = [knobs.get("batching_mode") or meta.get("batching_mode"),
+                 meta.get("layout") or knobs.get("layout"),
+                 knobs.get("preemption_mode") or meta.get("preemption_mode")]
+        line.append(f" {meta.get('device') or ''} " + "/".join(mode or "?" for mode in modes))
         if meta.get("kernels"):
             line.append(f"  {meta['kernels']}", style="bold red")
         line.append("\n")
@@ -65,8 +66,9 @@ class HeaderBar(Static):
         line.append(f"  budget {model.budget_pct:3.0f}%")
         if model.graph_padding_seen and rates.padded_token_share is not None:
             line.append(f"  graph pad {100 * rates.padded_token_share:3.0f}%", style="cyan")
-        line.append(f"  │ seqs {knobs.get('max_num_seqs', '?')} tok {knobs.get('max_num_batched_tokens', '?')}"
-                    f" chunk {knobs.get('long_prefill_token_threshold', '?')}", style="bold")
+        line.append(f"  │ seqs {knobs.get('max_num_seqs', '?')} tok "
+                    f"{knobs.get('max_num_batched_tokens', '?')} chunk "
+                    f"{knobs.get('long_prefill_token_threshold', '?')}", style="bold")
         if "load_rate" in knobs:
             line.append(f" load {knobs['load_rate']:g}/s {knobs.get('length_dist', '')}", style="bold")
         if model.num_dropped:
@@ -104,7 +106,8 @@ class SlotGrid(Static):
         rows_free = max(1, self.size.height - legend.count("\n") - 2)
         cell = 2 if num_slots * 2 <= width * rows_free else 1
         per_row = max(1, width // cell)
-        mirrored = " (mirrored from vLLM's input batch)" if self.app.source.meta.get("slots") == "mirrored" else ""
+        is_mirror = self.app.source.meta.get("slots") == "mirrored"
+        mirrored = " (mirrored from vLLM's input batch)" if is_mirror else ""
         text = Text(f"batch{mirrored} {model.num_occupied_span}/{num_slots} slots"
                     f"  padding {model.num_padding_rows}", style="bold")
         if model.graph_padding_seen:

@@ -14,20 +14,23 @@ from batchtop.engine.flags import add_engine_flags, engine_config
 
 def add_bench_flags(parser) -> None:
     g = parser.add_argument_group("benchmark")
-    g.add_argument("--base-url", default=None, help="an OpenAI-compatible server; default: the embedded engine")
+    g.add_argument("--base-url", default=None,
+                   help="an OpenAI-compatible server; default: the embedded engine")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="server endpoint (chat needs text prompts: the sharegpt dataset)")
     g.add_argument("--api-key", default=None, help="bearer token for the server")
     g.add_argument("--served-model-name", default=None, help="model name to send (default: the server's)")
     g.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random")
     g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
-    g.add_argument("--tokenizer", default=None, help="HF tokenizer folder for sharegpt lengths (default: SmolLM2's)")
+    g.add_argument("--tokenizer", default=None,
+                   help="HF tokenizer folder for sharegpt lengths (default: SmolLM2's)")
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--random-input-len", type=int, default=128)
     g.add_argument("--random-output-len", type=int, default=128)
     g.add_argument("--random-range-ratio", type=float, default=0.0)
     g.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length for sharegpt")
-    g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s (default inf: all at once)")
     g.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     g.add_argument("--seed", type=int, default=0)
@@ -38,7 +41,8 @@ def add_bench_flags(parser) -> None:
 
 
 def add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="serving benchmark against a server (--base-url) or the embedded engine")
+    bench = sub.add_parser("bench",
+                           help="serving benchmark against a server (--base-url) or the embedded engine")
     add_bench_flags(bench)
     add_engine_flags(bench)
     bench.set_defaults(func=cmd_bench)
@@ -55,8 +59,8 @@ def add_sweep(sub) -> None:
                        help="comma-separated max_num_seqs values (default 1,4,16,64,256)")
     sweep.add_argument("--no-color", action="store_true", help="plain plot (for files)")
     sweep.add_argument("--launch", default=None, metavar="COMMAND",
-                       help="a server command with {max_num_seqs} (and optionally {port}, from --base-url, default "
-                            "http://127.0.0.1:8000): started, benchmarked and stopped for each value")
+                       help="a server command with {max_num_seqs} (and optionally {port}, from --base-url, "
+                            "default http://127.0.0.1:8000): started, benchmarked and stopped for each value")
     sweep.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="with --launch: how long a server may take to answer /health")
     sweep.set_defaults(func=cmd_sweep, max_num_seqs=1)
@@ -83,8 +87,8 @@ def _tokenizer(path: str | None):
 
 def _pacing(args) -> dict:
     """How requests are sent: the keyword arguments of `serving.run_benchmark` besides the requests."""
-    return dict(request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                seed=args.seed)
+    return dict(request_rate=args.request_rate, burstiness=args.burstiness,
+                max_concurrency=args.max_concurrency, seed=args.seed)
 
 
 def cmd_bench(args) -> int:
@@ -96,14 +100,15 @@ def cmd_bench(args) -> int:
     if args.base_url:
         model = args.served_model_name or bs.served_model(args.base_url, args.api_key)
         results, duration = bs.bench_server(args.base_url, model, requests, chat=args.endpoint == "chat",
-                                            api_key=args.api_key, ignore_eos=not args.no_ignore_eos, **_pacing(args))
+                                            api_key=args.api_key, ignore_eos=not args.no_ignore_eos,
+                                            **_pacing(args))
         backend = f"openai {args.base_url}"
     else:
         model, backend = config.model, "embedded"
         results, duration, _ = bs.bench_embedded(config, requests, **_pacing(args))
-    settings = {"backend": backend, "model": model, "dataset": args.dataset_name, "num_prompts": len(requests),
-                "request_rate": args.request_rate, "burstiness": args.burstiness,
-                "max_concurrency": args.max_concurrency, "seed": args.seed}
+    settings = {"backend": backend, "model": model, "dataset": args.dataset_name,
+                "num_prompts": len(requests), "request_rate": args.request_rate,
+                "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed}
     summary = bs.summarize(results, duration, slos=slos, extra={"max_concurrency": args.max_concurrency})
     print(bs.format_table(summary))
     if args.save_result:

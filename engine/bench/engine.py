@@ -63,7 +63,8 @@ def best_gemm_rates(model, rows=(64, 128, 256), repeats=20) -> tuple[float, floa
     F.linear and the engine's packed kernel (kernels/cpu.py) on fp32 panels and, for weights in block
     form, on their blocks, whichever is fastest -- and of the engine's block weights on the AMX tile
     unit (fp32-accurate through exact bf16 parts; 0 where there is no AMX or no weight in block form)."""
-    weights = {tuple(m.weight.shape): m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    weights = {tuple(m.weight.shape): m.weight.detach() for m in model.modules() if isinstance(m,
+                                                                                               torch.nn.Linear)}
     fma, tiles = [F.linear], []
     if cpu.available():
         fp32 = {shape: cpu.pack_linear(weight, blocks=False) for shape, weight in weights.items()}
@@ -72,7 +73,8 @@ def best_gemm_rates(model, rows=(64, 128, 256), repeats=20) -> tuple[float, floa
         if any(p.scale is not None for p in blocks.values()):     # else the fp32 panels again
             fma.append(lambda x, weight: cpu.packed_linear(x, blocks[tuple(weight.shape)], amx_min_rows=None))
             if cpu.amx_available():
-                tiles.append(lambda x, weight: cpu.packed_linear(x, blocks[tuple(weight.shape)], amx_min_rows=1))
+                tiles.append(lambda x,
+                             weight: cpu.packed_linear(x, blocks[tuple(weight.shape)], amx_min_rows=1))
     return best_rate(fma, weights.values(), rows, repeats), best_rate(tiles, weights.values(), rows, repeats)
 
 
@@ -92,13 +94,15 @@ def best_rate(gemms, weights, rows, repeats) -> float:
     return best
 
 
-def step_roofline(tokens: int, rows: int, per_layer: float, per_head: float, gemm: float, stream_s: float) -> float:
+def step_roofline(tokens: int, rows: int, per_layer: float, per_head: float, gemm: float,
+                  stream_s: float) -> float:
     """A step's bound: its matmul FLOPs (every token through the layers, the sampled rows through
     the LM head) at the GEMM rate, never under the weight-streaming floor."""
     return max(stream_s, (tokens * per_layer + rows * per_head) / gemm)
 
 
-def roofline_floor(prompts, lengths, per_layer: float, per_head: float, gemm: float, stream_s: float) -> float:
+def roofline_floor(prompts, lengths, per_layer: float, per_head: float, gemm: float,
+                   stream_s: float) -> float:
     """Seconds for the trace if every step ran at its own bound: the prompts at the GEMM rate, then
     decode step t with the rows whose output is longer than t."""
     prefill = sum(map(len, prompts)) * per_layer / gemm
@@ -116,7 +120,8 @@ def step_records(loaded, prompts, lengths, **config) -> list[tuple[int, int, flo
 
     def sink(event):
         if isinstance(event, ev.StepFinished):
-            records.append((event.num_tokens, len(event.sampled_request_ids), event.schedule_s + event.prepare_s
+            records.append((event.num_tokens, len(event.sampled_request_ids),
+                            event.schedule_s + event.prepare_s
                             + event.forward_s + event.sample_s + event.update_s))
 
     engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded, sink=sink)
@@ -125,14 +130,16 @@ def step_records(loaded, prompts, lengths, **config) -> list[tuple[int, int, flo
 
 
 PROMPT_STEPS = "carry prompt tokens"
-DECODE_STEPS = ((8, "decode 1-8 rows"), (16, "decode 9-16 rows"), (32, "decode 17-32 rows"), (math.inf, "decode 33+ rows"))
+DECODE_STEPS = ((8, "decode 1-8 rows"), (16, "decode 9-16 rows"), (32, "decode 17-32 rows"),
+                (math.inf, "decode 33+ rows"))
 
 
 def breakdown_table(records, per_layer: float, per_head: float, gemm: float, stream_s: float) -> list[str]:
     """The steps by kind, each against its own bound (`step_roofline`)."""
     totals = {kind: [0, 0.0, 0.0] for kind in (PROMPT_STEPS, *(name for _, name in DECODE_STEPS))}
     for tokens, rows, seconds in records:
-        total = totals[PROMPT_STEPS if tokens > rows else next(name for most, name in DECODE_STEPS if rows <= most)]
+        total = totals[PROMPT_STEPS if tokens > rows
+                       else next(name for most, name in DECODE_STEPS if rows <= most)]
         total[0] += 1
         total[1] += seconds
         total[2] += step_roofline(tokens, rows, per_layer, per_head, gemm, stream_s)
@@ -147,7 +154,8 @@ def streamed_weight_bytes(model) -> int:
     flat = flat_forward_for(model) if supports(model) else None
     if flat is None or flat.lm_head.packed is None:
         return sum(p.numel() * p.element_size() for p in model.parameters())
-    packed = sum(linear.packed.nbytes for layer in flat.layers for linear in layer.linears) + flat.lm_head.packed.nbytes
+    packed = flat.lm_head.packed.nbytes + sum(linear.packed.nbytes for layer in flat.layers
+                                              for linear in layer.linears)
     norms = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
     return packed + norms
 
@@ -258,7 +266,8 @@ def telemetry_overhead(loaded, prompts, lengths, rounds: int = 3, **config) -> t
     with tempfile.TemporaryDirectory() as folder:
         for round_ in range(rounds):
             for mode in ("off", "recorder"):
-                recorder = Recorder(Path(folder) / f"{round_}.jsonl", model=loaded.name) if mode == "recorder" else None
+                recorder = Recorder(Path(folder) / f"{round_}.jsonl",
+                                    model=loaded.name) if mode == "recorder" else None
                 off = {"flight_recorder_steps": 0} if mode == "off" else {}     # off: no event is built
                 engine = Engine(EngineConfig(model=loaded.name, **{**config, **off}), loaded=loaded,
                                 sink=recorder.sink if recorder else None)
@@ -305,12 +314,14 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-serial", action="store_true", help="skip the slowest contender (~4 min)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--telemetry", action="store_true", help="only the telemetry-overhead comparison")
-    parser.add_argument("--device", default="cpu", help="cpu (default), or cuda: its own section, no CPU floors")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default), or cuda: its own section, no CPU floors")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--random-weights", action="store_true",
                         help="SmolLM2's architecture with seeded random weights (needs only its tokenizer)")
     parser.add_argument("--cuda-graphs", choices=["both", "on", "off"], default="both",
-                        help="on a GPU: batchtop with decode steps from CUDA graphs, without, or both (default)")
+                        help="on a GPU: batchtop with decode steps from CUDA graphs, without, or both "
+                             "(default)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.telemetry:
@@ -335,7 +346,8 @@ def main(argv=None) -> int:
 
     if not on_cpu:
         engine_config["cuda_graphs"] = "off" if args.cuda_graphs == "off" else "on"
-    batchtop_config = dict(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, **engine_config)
+    batchtop_config = dict(max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
+                           **engine_config)
     batchtop_runs = [run_batchtop(loaded, prompts, lengths, **batchtop_config)]
     print(f"batchtop {batchtop_runs[0]:.1f} s", flush=True)
     results = {"batchtop (continuous)": batchtop_runs[0]}
@@ -343,7 +355,8 @@ def main(argv=None) -> int:
         rates.append(machine_rates(loaded.model))
     results["transformers continuous batching"] = run_hf_continuous(reference.model, prompts, lengths)
     print(f"hf continuous {results['transformers continuous batching']:.1f} s", flush=True)
-    static_s, static_util = run_hf_static(reference.model, reference.tokenizer.pad_token_id or 0, prompts, lengths)
+    static_s, static_util = run_hf_static(reference.model, reference.tokenizer.pad_token_id or 0,
+                                          prompts, lengths)
     results["transformers static batches of 16"] = static_s
     print(f"hf static {static_s:.1f} s (utilisation {static_util:.3f})", flush=True)
     if not args.skip_serial:
@@ -358,8 +371,9 @@ def main(argv=None) -> int:
         results["batchtop, CUDA graphs off"] = run_batchtop(loaded, prompts, lengths,
                                                            **{**batchtop_config, "cuda_graphs": "off"})
         print(f"batchtop without CUDA graphs {results['batchtop, CUDA graphs off']:.2f} s", flush=True)
-    bracket = (f"batchtop's row is the mean of a run before the transformers contenders ({batchtop_runs[0]:.1f} s) "
-               f"and one after them ({batchtop_runs[1]:.1f} s), so a drift of the machine's speed cancels to first order.")
+    bracket = ("batchtop's row is the mean of a run before the transformers contenders "
+               f"({batchtop_runs[0]:.1f} s) and one after them ({batchtop_runs[1]:.1f} s), so a drift of the "
+               "machine's speed cancels to first order.")
 
     if not on_cpu:
         text = cuda_section(args, torch.cuda.get_device_name(args.device), loaded, prompts, lengths, results,
@@ -381,18 +395,19 @@ def main(argv=None) -> int:
              f"({sum(map(len, prompts))} in all), outputs exponential mean 64 clipped to [4, 256] "
              f"({useful} in all), EOS ignored.", ""]
     lines += contender_table(results, useful, digits=1)
-    lines += ["", bracket, f"Static batches of 16: utilisation {static_util:.3f} (useful row-steps / row-steps).",
-              f"Compute floor: {flops / 1e12:.2f} TFLOP of matmuls ({per_layer / 1e6:.0f} MFLOP per prompt token, "
-              f"{(per_layer + per_head) / 1e6:.0f} per generated token) at the best GEMM rate measured here "
-              f"({gemm / 1e9:.0f} GFLOP/s, the best of three samples through the run) = {floor_s:.1f} s, "
-              f"i.e. {useful / floor_s:.0f} useful tok/s; "
+    lines += ["", bracket,
+              f"Static batches of 16: utilisation {static_util:.3f} (useful row-steps / row-steps).",
+              f"Compute floor: {flops / 1e12:.2f} TFLOP of matmuls ({per_layer / 1e6:.0f} MFLOP per prompt "
+              f"token, {(per_layer + per_head) / 1e6:.0f} per generated token) at the best GEMM rate "
+              f"measured here ({gemm / 1e9:.0f} GFLOP/s, the best of three samples through the run) = "
+              f"{floor_s:.1f} s, i.e. {useful / floor_s:.0f} useful tok/s; "
               f"batchtop reaches {floor_s / ours:.0%} of it."]
     if tile_gemm:
-        lines += [f"The engine's block-weight products of {cpu.AMX_MIN_ROWS} rows or more run on the AMX tile unit "
-                  f"instead (fp32-accurate: the q and three bf16 parts of x multiply exactly, docs/kernels.md), at "
-                  f"up to {tile_gemm / 1e9:.0f} GFLOP/s on these shapes ({tile_gemm / gemm:.2f}x the rate above); at "
-                  f"that rate the floor would be {flops / tile_gemm:.1f} s and batchtop reaches "
-                  f"{flops / tile_gemm / ours:.0%} of it."]
+        lines += [f"The engine's block-weight products of {cpu.AMX_MIN_ROWS} rows or more run on the AMX "
+                  "tile unit instead (fp32-accurate: the q and three bf16 parts of x multiply exactly, "
+                  f"docs/kernels.md), at up to {tile_gemm / 1e9:.0f} GFLOP/s on these shapes "
+                  f"({tile_gemm / gemm:.2f}x the rate above); at that rate the floor would be "
+                  f"{flops / tile_gemm:.1f} s and batchtop reaches {flops / tile_gemm / ours:.0%} of it."]
     lines += [""]
     lines += step_table(steps, digits=1)
     roofline_s = roofline_floor(prompts, lengths, per_layer, per_head, gemm, stream_floor)
@@ -400,16 +415,16 @@ def main(argv=None) -> int:
               f"{bandwidth / 1e9:.1f} GB/s read bandwidth (likewise the best of three samples) = "
               f"{param_floor * 1e3:.1f} ms; the 1-row step takes {steps[1] / param_floor:.2f}x that. "
               f"The engine streams {packed_bytes / 1e6:.0f} MB a step (its packed weights: the GGUF blocks "
-              f"where a weight is in that form, docs/kernels.md) = {stream_floor * 1e3:.1f} ms; the 1-row step "
-              f"takes {steps[1] / stream_floor:.2f}x that.", "",
-              f"Roofline floor of the trace: its prompts at the best GEMM rate, then one decode step per output "
-              f"position ({max(lengths)} steps, the rows still running), each at least the streaming floor of "
-              f"the engine's packed weights: "
+              f"where a weight is in that form, docs/kernels.md) = {stream_floor * 1e3:.1f} ms; the 1-row "
+              f"step takes {steps[1] / stream_floor:.2f}x that.", "",
+              "Roofline floor of the trace: its prompts at the best GEMM rate, then one decode step per "
+              f"output position ({max(lengths)} steps, the rows still running), each at least the streaming "
+              f"floor of the engine's packed weights: "
               f"{roofline_s:.1f} s; batchtop reaches {roofline_s / ours:.0%} of it. (The compute floor above "
               f"ignores that the trace's long tail of few-row steps is bound by streaming the weights.)", "",
               f"Where the time goes: another batchtop run ({sum(r[2] for r in records):.1f} s), its "
-              f"{len(records)} steps timed through the engine's StepFinished events, each against its own roofline "
-              f"(its matmul FLOPs at the GEMM rate, at least the weight-streaming floor):", ""]
+              f"{len(records)} steps timed through the engine's StepFinished events, each against its own "
+              f"roofline (its matmul FLOPs at the GEMM rate, at least the weight-streaming floor):", ""]
     lines += breakdown_table(records, per_layer, per_head, gemm, stream_floor) + [""]
     text = "\n".join(lines)
     return publish(SECTION, text, write=not args.no_write)
@@ -452,8 +467,10 @@ def cuda_section(args, device_name, loaded, prompts, lengths, results, static_ut
                  bracket: str) -> str:
     useful = sum(lengths)
     weights = "seeded random weights" if args.random_weights else "its weights"
-    command = " ".join(["python -m batchtop.engine.bench.engine", f"--device {args.device}", f"--dtype {args.dtype}"]
-                       + (["--random-weights"] if args.random_weights else []) + (["--skip-serial"] if args.skip_serial else [])
+    command = " ".join(["python -m batchtop.engine.bench.engine", f"--device {args.device}",
+                        f"--dtype {args.dtype}"]
+                       + (["--random-weights"] if args.random_weights else [])
+                       + (["--skip-serial"] if args.skip_serial else [])
                        + ([f"--cuda-graphs {args.cuda_graphs}"] if args.cuda_graphs != "both" else []))
     lines = [CUDA_SECTION, "",
              f"`{command}`, SmolLM2-135M's architecture with {weights}, {args.dtype}, on one {device_name}, "
@@ -472,17 +489,19 @@ def cuda_section(args, device_name, loaded, prompts, lengths, results, static_ut
     lines += graph_step_table(steps)
     if capture is not None:
         padded, computed = graph_padding(loaded, prompts, lengths, **batchtop_config)
-        lines += ["", f"CUDA graphs captured at start for decode steps of {', '.join(map(str, capture.sizes))} rows: "
-                  f"{capture.memory_bytes / 2**20:.0f} MiB of device memory, {capture.seconds:.1f} s (for the "
-                  f"decode-step engine, batch capacity 256). Over the trace the graphs padded {padded} tokens to "
-                  f"{computed} computed ({padded / (padded + computed):.1%} of the work)."]
+        lines += ["",
+                  f"CUDA graphs captured at start for decode steps of {', '.join(map(str, capture.sizes))} "
+                  f"rows: {capture.memory_bytes / 2**20:.0f} MiB of device memory, {capture.seconds:.1f} s "
+                  "(for the decode-step engine, batch capacity 256). Over the trace the graphs padded "
+                  f"{padded} tokens to {computed} computed ({padded / (padded + computed):.1%} of the work)."]
     if "on" in steps:
         slowest = max(seconds for rows, seconds in steps["on"].items() if rows <= TARGET_STEP_ROWS)
         speedup = EAGER_TRACE_S / results["batchtop (continuous)"]
-        lines += ["", f"Targets: a decode step of at most {TARGET_STEP_S * 1e3:.0f} ms at 1-{TARGET_STEP_ROWS} rows: "
-                  f"{'met' if slowest <= TARGET_STEP_S else 'not met'} (slowest {slowest * 1e3:.2f} ms); the trace "
-                  f"at least {TARGET_SPEEDUP:.0f}x faster than the first GPU run's {EAGER_TRACE_S} s: "
-                  f"{'met' if speedup >= TARGET_SPEEDUP else 'not met'} ({speedup:.1f}x)."]
+        lines += ["",
+                  f"Targets: a decode step of at most {TARGET_STEP_S * 1e3:.0f} ms at 1-{TARGET_STEP_ROWS} "
+                  f"rows: {'met' if slowest <= TARGET_STEP_S else 'not met'} (slowest {slowest * 1e3:.2f} "
+                  f"ms); the trace at least {TARGET_SPEEDUP:.0f}x faster than the first GPU run's "
+                  f"{EAGER_TRACE_S} s: {'met' if speedup >= TARGET_SPEEDUP else 'not met'} ({speedup:.1f}x)."]
     return "\n".join(lines + [""])
 
 

@@ -32,7 +32,8 @@ def publish(section: str, text: str, *, write: bool, doc: Path = DOCS) -> int:
 def cpu_name() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+        return next(line.split(":",
+                               1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 

@@ -70,7 +70,8 @@ def overhead(args) -> dict:
             if best["server"] is None or summary["output_throughput"] > best["server"]["output_throughput"]:
                 best["server"] = summary
             print(f"server   {summary['output_throughput']:.1f} tok/s", file=sys.stderr)
-            server.send_signal(19)            # SIGSTOP: the idle server must not take CPU from the embedded run
+            # SIGSTOP: the idle server must not take CPU from the embedded run
+            server.send_signal(19)
             try:
                 import torch
 
@@ -82,7 +83,8 @@ def overhead(args) -> dict:
             finally:
                 server.send_signal(18)        # SIGCONT
             summary = bs.summarize(results, duration)
-            if best["embedded"] is None or summary["output_throughput"] > best["embedded"]["output_throughput"]:
+            fastest = best["embedded"]
+            if fastest is None or summary["output_throughput"] > fastest["output_throughput"]:
                 best["embedded"] = summary
             print(f"embedded {summary['output_throughput']:.1f} tok/s", file=sys.stderr)
     finally:
@@ -105,25 +107,27 @@ def render(args, result: dict, points: list[dict]) -> str:
     n, i, o, c = result["requests"]
     lines = [SECTION, "",
              f"Measured with `python -m batchtop.engine.bench.server_overhead"
-             f"{' --quick' if args.quick else ''} --model {args.model}` on {platform.processor() or platform.machine()}"
-             f" ({os.cpu_count()} CPUs, shared with other jobs), Python {platform.python_version()}, "
-             f"{time.strftime('%Y-%m-%d')}. Best of {args.repeats} alternating runs each.", "",
-             f"**Server overhead.** {n} requests, {i} prompt tokens and {o} output tokens each (EOS ignored), "
-             f"{c} concurrent streams, all sent at once. `server`: `batchtop serve` in a subprocess, streamed over "
-             f"HTTP (SSE) by the bench client; `embedded`: the same client harness feeding the engine loop "
-             f"in-process.", "",
+             f"{' --quick' if args.quick else ''} --model {args.model}` on "
+             f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs, shared with other jobs), "
+             f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}. Best of {args.repeats} "
+             "alternating runs each.", "",
+             f"**Server overhead.** {n} requests, {i} prompt tokens and {o} output tokens each (EOS "
+             f"ignored), {c} concurrent streams, all sent at once. `server`: `batchtop serve` in a "
+             "subprocess, streamed over HTTP (SSE) by the bench client; `embedded`: the same client harness "
+             f"feeding the engine loop in-process.", "",
              "| backend | out tok/s | req/s | mean TTFT ms | mean TPOT ms | p99 ITL ms |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, s in (("embedded", embedded), ("server", server)):
         lines.append(f"| {name} | {s['output_throughput']:.1f} | {s['request_throughput']:.2f} | "
                      f"{s['mean_ttft_ms']:.0f} | {s['mean_tpot_ms']:.1f} | {s['p99_itl_ms']:.1f} |")
     verdict = "meets" if result["ratio"] >= 0.85 else "misses"
-    lines += ["", f"Server / embedded output throughput: **{result['ratio']:.1%}** ({verdict} the 85% target).",
+    lines += ["",
+              f"Server / embedded output throughput: **{result['ratio']:.1%}** ({verdict} the 85% target).",
               "", f"**Sweep.** {args.sweep_prompts} requests ({args.input_len} in / {args.output_len} out), "
-              f"all at once, on the embedded engine with a KV pool of {args.sweep_kv_blocks} blocks of 16 tokens "
-              f"(room for about {args.sweep_kv_blocks * 16 // (args.input_len + args.output_len)} whole requests), "
-              f"so the top of the sweep must preempt.", "", "```", bs.sweep_table(points), "```", "", "```",
-              bs.sweep_plot(points).rstrip(), "```", ""]
+              f"all at once, on the embedded engine with a KV pool of {args.sweep_kv_blocks} blocks of 16 "
+              f"tokens (room for about {args.sweep_kv_blocks * 16 // (args.input_len + args.output_len)} "
+              f"whole requests), so the top of the sweep must preempt.", "", "```", bs.sweep_table(points),
+              "```", "", "```", bs.sweep_plot(points).rstrip(), "```", ""]
     return "\n".join(lines)
 
 
@@ -133,7 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller traces")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--values", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 64, 256])
+    parser.add_argument("--values", type=lambda s: [int(v) for v in s.split(",")],
+                        default=[1, 4, 16, 64, 256])
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/benchmarks.md")
     args = parser.parse_args(argv)
     args.num_prompts, args.input_len, args.output_len = (64, 32, 32) if args.quick else (128, 64, 64)

@@ -418,11 +418,14 @@ def sweep_table(points: list[dict]) -> str:
     for p in points:
         if "error" in p:
             lines.append(f"{p['max_num_seqs']:>12} failed: {p['error']}")
-            failures.append(f"max_num_seqs={p['max_num_seqs']}: the end of the server's log:\n{p['log_tail']}")
+            failures.append(f"max_num_seqs={p['max_num_seqs']}: the end of the server's log:\n"
+                            f"{p['log_tail']}")
             continue
-        lines.append(f"{p['max_num_seqs']:>12} {p['request_throughput']:>7.2f} {p['output_throughput']:>10.1f} "
-                     f"{_ms(p['mean_ttft_ms']):>13} {_ms(p['p99_tpot_ms']):>12} {_ms(p['p99_itl_ms']):>11} "
-                     f"{_count(p.get('preemptions')):>8} {_count(p.get('retractions')):>8} {_count(p.get('steps')):>7}")
+        lines.append(f"{p['max_num_seqs']:>12} {p['request_throughput']:>7.2f} "
+                     f"{p['output_throughput']:>10.1f} {_ms(p['mean_ttft_ms']):>13} "
+                     f"{_ms(p['p99_tpot_ms']):>12} {_ms(p['p99_itl_ms']):>11} "
+                     f"{_count(p.get('preemptions')):>8} {_count(p.get('retractions')):>8} "
+                     f"{_count(p.get('steps')):>7}")
     return "\n".join(lines + failures)
 
 
@@ -465,5 +468,6 @@ def sweep_plot(points: list[dict], width: int = 78, height: int = 20, color: boo
 
 
 def to_json(points_or_summary) -> str:
-    return json.dumps(points_or_summary, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__")
+    return json.dumps(points_or_summary, indent=2,
+                      default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__")
                       else str(o))

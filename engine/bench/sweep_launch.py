@@ -58,7 +58,8 @@ def sweep_launched(template: str, values: list[int], requests, *, base_url: str,
                                              api_key=api_key, ignore_eos=ignore_eos, **run_kwargs)
             after = server_counters(base_url, api_key)
             point.update(summarize(results, duration))
-            point.update({name: None if before[name] is None or after[name] is None else after[name] - before[name]
+            point.update({name: None if before[name] is None or after[name] is None
+                          else after[name] - before[name]
                           for name in ("preemptions", "steps")})
         except (RuntimeError, httpx.HTTPError, OSError) as error:
             point["error"] = str(error).splitlines()[0]

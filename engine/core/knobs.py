@@ -26,7 +26,8 @@ class Knob:
     low: float = 0
     high: float | None = None         # None: the persistent batch's capacity
     choices: tuple[str, ...] = ()
-    dashboard: bool = False           # the dashboard's keys and knob prompt may set it (the API sets every knob)
+    # the dashboard's keys and knob prompt may set it (the API sets every knob)
+    dashboard: bool = False
 
     def upper(self, capacity: int) -> float:
         return capacity if self.high is None else self.high
@@ -100,5 +101,6 @@ def ranges(capacity: int) -> dict[str, str]:
 def markdown_table() -> str:
     """The knob table of docs/server.md."""
     rows = ["| knob | values | dashboard | meaning |", "|---|---|---|---|"]
-    rows += [f"| `{k.name}` | {k.describe()} | {'yes' if k.dashboard else 'no'} | {k.help} |" for k in KNOBS.values()]
+    rows += [f"| `{k.name}` | {k.describe()} | {'yes' if k.dashboard else 'no'} | {k.help} |"
+             for k in KNOBS.values()]
     return "\n".join(rows)

@@ -9,7 +9,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+            raise ValueError(f"need at least one block of at least one token, "
+                             f"got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
@@ -38,7 +39,8 @@ class KVCacheManager:
         return extra + reserve <= len(self._free)
 
     def try_allocate(self, request_id: str, num_total_tokens: int) -> list[int] | None:
-        """Grow the request's blocks to hold `num_total_tokens`; the new block ids, or None if the pool is short."""
+        """Grow the request's blocks to hold `num_total_tokens`; the new block ids, or None if the pool is
+        short."""
         held = self._blocks.setdefault(request_id, [])
         extra = self.blocks_needed(num_total_tokens) - len(held)
         if extra > len(self._free):
@@ -71,8 +73,9 @@ class KVCacheManager:
                 if block in free:
                     problems.append(f"block {block} is held by {request_id} and free")
         if len(self._free) + sum(len(b) for b in self._blocks.values()) != self.num_blocks:
-            problems.append(f"used {self.num_blocks - len(self._free)} + free {len(self._free)} blocks do not "
-                            f"match the {sum(len(b) for b in self._blocks.values())} held of {self.num_blocks}")
+            problems.append(f"used {self.num_blocks - len(self._free)} + free {len(self._free)} blocks do "
+                            f"not match the {sum(len(b) for b in self._blocks.values())} held of "
+                            f"{self.num_blocks}")
         return problems
 
     def holders(self) -> set[str]:

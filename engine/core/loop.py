@@ -37,7 +37,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
         self.error: BaseException | None = None
-        self._scheduled: list[tuple[int, int, Callable[[], None]]] = []   # (step, seq, fn): run after that step
+        # (step, seq, fn): run after that step
+        self._scheduled: list[tuple[int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.scenario: str | None = None
 
@@ -139,9 +140,9 @@ class EngineLoop:
         self._commands.put(grant)
 
     def start_scenario(self, scenario, source: str = "tui") -> None:
-        """From the next step: the scenario's knobs that can change live, its load, and its scripted requests
-        and knob phases, their steps counted from now (engine/workload/scenarios.py). Settings fixed at start (the KV
-        pool, the layout) stay as they are; `batchtop --scenario NAME` sets them."""
+        """From the next step: the scenario's knobs that can change live, its load, and its scripted
+        requests and knob phases, their steps counted from now (engine/workload/scenarios.py). Settings
+        fixed at start (the KV pool, the layout) stay as they are; `batchtop --scenario NAME` sets them."""
         def apply():
             engine = self.engine
             knobs = engine.knobs()
@@ -181,7 +182,8 @@ class EngineLoop:
                                 SamplingParams(max_tokens=output_tokens, ignore_eos=True))
 
     def request_snapshot(self, cause: str = "request") -> None:
-        """Have the engine publish an EngineSnapshot before its next step (a consumer joined or lost events)."""
+        """Have the engine publish an EngineSnapshot before its next step (a consumer joined or lost
+        events)."""
         self._commands.put(lambda: self.engine.emit_snapshot(cause))
 
     def abort(self, request_id: str) -> None:
@@ -191,10 +193,12 @@ class EngineLoop:
         if self.engine.abort(request_id):
             self._deliver(RequestOutput(request_id, [], True, "abort"))
 
-    def add_request(self, prompt, sampling: SamplingParams | None = None, *, on_output: OutputCallback | None = None,
-                    chat: bool = False, priority: int = 0, request_id: str | None = None) -> str:
+    def add_request(self, prompt, sampling: SamplingParams | None = None, *,
+                    on_output: OutputCallback | None = None, chat: bool = False, priority: int = 0,
+                    request_id: str | None = None) -> str:
         """Validate now (ValueError on bad input), queue for the next step; outputs go to `on_output`."""
-        request = self.engine.make_request(prompt, sampling, chat=chat, priority=priority, request_id=request_id)
+        request = self.engine.make_request(prompt, sampling, chat=chat, priority=priority,
+                                           request_id=request_id)
 
         def enqueue():
             if on_output is not None:
@@ -273,7 +277,8 @@ class EngineLoop:
         if self.load is None or self._paused:
             return
         for item in self.load.due(time.monotonic() - self._started_at):
-            prompt = item.prompt if item.prompt is not None else synthetic_prompt(item.prompt_tokens, self._load_rng)
+            prompt = item.prompt if item.prompt is not None else synthetic_prompt(item.prompt_tokens,
+                                                                                  self._load_rng)
             exact = item.output_tokens is not None
             sampling = SamplingParams(max_tokens=item.output_tokens or 256, ignore_eos=exact)
             try:

@@ -32,7 +32,8 @@ class Request:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0   # tokens computed again after preemptions
     wait_mark: object = None         # the scheduler's WaitClock reading when it last joined the queue
-    wait_split: tuple = ((), ())     # its last wait by reason: (reasons, seconds), set when it leaves the queue
+    # its last wait by reason: (reasons, seconds), set when it leaves the queue
+    wait_split: tuple = ((), ())
 
     @property
     def num_prompt_tokens(self) -> int:

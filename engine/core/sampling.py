@@ -54,7 +54,8 @@ class Sampler:
         if random_rows:
             index = torch.tensor(random_rows)
             # on the CPU, where the per-request generators live (a few rows of logits to copy off a GPU)
-            probs = _filtered_probs(logits[index.to(logits.device)].float().cpu(), [rows[i][1] for i in random_rows])
+            probs = _filtered_probs(logits[index.to(logits.device)].float().cpu(),
+                                    [rows[i][1] for i in random_rows])
             for k, i in enumerate(random_rows):
                 request_id, params = rows[i]
                 tokens[i] = torch.multinomial(probs[k], 1, generator=self._generator(request_id, params))[0]

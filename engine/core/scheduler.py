@@ -152,7 +152,8 @@ class Scheduler:
         if self.running or self.padding or self.knobs.batching_mode == "static":
             return self._blocked("static_batch", limit=size)
         waited = now - self.waiting[0].arrival_time if self.waiting else 0.0
-        return self._blocked("dynamic_batch", limit=size, wait_more_s=max(0.0, self.knobs.dynamic_timeout_s - waited))
+        return self._blocked("dynamic_batch", limit=size,
+                             wait_more_s=max(0.0, self.knobs.dynamic_timeout_s - waited))
 
     def _static_batch_size(self) -> int:
         return min(self.knobs.static_batch_size, self.knobs.max_num_seqs)
@@ -160,7 +161,8 @@ class Scheduler:
     def _end_static_batch(self) -> list[LeftBatch]:
         """The longest row of the static batch finished: its padding rows give their blocks back."""
         released, self.padding = self.padding, []
-        return [LeftBatch(request, PADDING_RELEASED, self.kv.free(request.request_id)) for request in released]
+        return [LeftBatch(request, PADDING_RELEASED,
+                          self.kv.free(request.request_id)) for request in released]
 
     def _chunk(self, request: Request, budget: int) -> int:
         num_tokens = min(request.num_tokens_to_compute, budget)
@@ -205,7 +207,8 @@ class Scheduler:
                 return self._blocked("max_num_seqs" if continuous else "static_batch", limit=cap)
             request = self.waiting[0]
             if continuous and budget <= 0:
-                return self._blocked("budget", tokens_left=budget, tokens_needed=self._chunk(request, 1 << 30))
+                return self._blocked("budget", tokens_left=budget,
+                                     tokens_needed=self._chunk(request, 1 << 30))
             num_tokens = self._chunk(request, budget)
             reserve = self._kv_reserve(request)
             if not self.kv.can_allocate(request.request_id, num_tokens, reserve):
@@ -255,7 +258,8 @@ class Scheduler:
         victim.status = Status.PREEMPTED
         self._enqueue(victim, front=True, now=self._now)
         retract = self.knobs.preemption_mode == "retract"
-        out.left.append(LeftBatch(victim, RETRACTED if retract else PREEMPTED, blocks_freed, tokens_to_recompute))
+        out.left.append(LeftBatch(victim, RETRACTED if retract else PREEMPTED, blocks_freed,
+                                  tokens_to_recompute))
         if retract:
             self._raise_new_token_ratio()
 
@@ -302,7 +306,8 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
         sampling = request.sampling
-        if (token_id in self.eos_token_ids and not sampling.ignore_eos) or token_id in sampling.stop_token_ids:
+        if (token_id in self.eos_token_ids
+            and not sampling.ignore_eos) or token_id in sampling.stop_token_ids:
             return "stop"
         if request.num_output_tokens >= sampling.max_tokens:
             return "length"
@@ -313,7 +318,8 @@ class Scheduler:
         plan's `left`); False when it stays as a static padding row (its blocks held) until the longest
         row of its batch finishes."""
         running = request.status is Status.RUNNING
-        stays_as_padding = self.knobs.batching_mode != "continuous" and reason not in ("abort", "error") and running
+        stays_as_padding = self.knobs.batching_mode != "continuous" and reason not in ("abort",
+                                                                                       "error") and running
         if stays_as_padding:
             self.running.remove(request)
             self.padding.append(request)

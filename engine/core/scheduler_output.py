@@ -36,7 +36,8 @@ class Row:
     @property
     def samples(self) -> bool:
         """True when this row's tokens bring the request level with its known tokens."""
-        return not self.padding and self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        request = self.request
+        return not self.padding and request.num_computed_tokens + self.num_tokens == request.num_tokens
 
     @property
     def start(self) -> int:

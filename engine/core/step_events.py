@@ -63,9 +63,11 @@ class StepEvents:
         slot_of = self.batch.slot_of
         for request in plan.admitted:
             reasons, seconds = request.wait_split
-            sink(ev.RequestAdmitted(step=step, t=t, request_id=request.request_id, slot=slot_of[request.request_id],
+            sink(ev.RequestAdmitted(step=step, t=t, request_id=request.request_id,
+                                    slot=slot_of[request.request_id],
                                     num_computed_tokens=request.num_computed_tokens,
-                                    resumed=request.num_preemptions > 0, wait_reasons=reasons, wait_s=seconds))
+                                    resumed=request.num_preemptions > 0, wait_reasons=reasons,
+                                    wait_s=seconds))
         self._rebuilt(step, t, plan, batch_step.update)
         for request_id, num_new, num_blocks in batch_step.grown:
             sink(ev.BlocksAllocated(step=step, t=t, request_id=request_id, num_new_blocks=num_new,
@@ -80,11 +82,13 @@ class StepEvents:
             request_id, reason = gone.request.request_id, gone.reason
             if reason == PREEMPTED:
                 sink(ev.RequestPreempted(step=step, t=t, request_id=request_id, slot=slot,
-                                         blocks_freed=gone.blocks_freed, tokens_to_recompute=gone.tokens_to_recompute,
+                                         blocks_freed=gone.blocks_freed,
+                                         tokens_to_recompute=gone.tokens_to_recompute,
                                          reason="kv pool exhausted"))
             elif reason == RETRACTED:
                 sink(ev.RequestRetracted(step=step, t=t, request_id=request_id, slot=slot,
-                                         blocks_freed=gone.blocks_freed, tokens_to_recompute=gone.tokens_to_recompute,
+                                         blocks_freed=gone.blocks_freed,
+                                         tokens_to_recompute=gone.tokens_to_recompute,
                                          new_token_ratio=plan.new_token_ratio))
             elif reason == PADDING_RELEASED:
                 sink(ev.PaddingReleased(step=step, t=t, request_id=request_id, slot=slot,
@@ -109,8 +113,9 @@ class StepEvents:
             rows[kind] += 1
         self._sink(ev.StepPlanned(
             step=step, t=t, prefill_tokens=tokens["prefill"], recompute_tokens=tokens["recompute"],
-            decode_tokens=tokens["decode"], num_prefill_rows=rows["prefill"], num_recompute_rows=rows["recompute"],
-            num_decode_rows=rows["decode"], num_padding_rows=rows["padding"], token_budget=plan.token_budget,
+            decode_tokens=tokens["decode"], num_prefill_rows=rows["prefill"],
+            num_recompute_rows=rows["recompute"], num_decode_rows=rows["decode"],
+            num_padding_rows=rows["padding"], token_budget=plan.token_budget,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks))
 
@@ -173,7 +178,8 @@ class StepEvents:
             self._sink(ev.AdmissionBlocked(step=step, t=time.monotonic(), **dataclasses.asdict(blocked)))
 
     def snapshot(self, step: int, cause: str) -> ev.EngineSnapshot:
-        """The whole request state as one event: running (running order), padding rows, waiting (queue order)."""
+        """The whole request state as one event: running (running order), padding rows, waiting (queue
+        order)."""
         scheduler, slot_of, kv = self.scheduler, self.batch.slot_of, self.kv
         members = ([(r, "running") for r in scheduler.running] + [(r, "padding") for r in scheduler.padding]
                    + [(r, r.status.value) for r in scheduler.waiting])

@@ -102,7 +102,8 @@ class FusedCpuOps(TransformersOps):
         return cpu.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)
 
     def rope_and_cache(self, qkv, cos, sin, k_cache, v_cache, slot_mapping):
-        return cpu.rope_and_cache(qkv, cos, sin, self.num_heads, self.num_kv_heads, k_cache, v_cache, slot_mapping)
+        return cpu.rope_and_cache(qkv, cos, sin, self.num_heads, self.num_kv_heads, k_cache,
+                                  v_cache, slot_mapping)
 
     def silu_mul(self, gate_up, act_fn):
         return cpu.silu_mul(gate_up)
@@ -121,8 +122,8 @@ class FlatForward:
         ops = FusedCpuOps if fused else TransformersOps
         self.ops = ops(dims.num_heads, dims.num_kv_heads, dims.head_dim)
         self.layers = [Layer(layer.input_layernorm,
-                             FusedLinear(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                                         packed=fused),
+                             FusedLinear(layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                         layer.self_attn.v_proj, packed=fused),
                              layer.self_attn.scaling,
                              FusedLinear(layer.self_attn.o_proj, packed=fused),
                              layer.post_attention_layernorm,
@@ -137,7 +138,8 @@ class FlatForward:
                  attend: Attend) -> torch.Tensor:
         ops, num_tokens = self.ops, input_ids.shape[0]
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = (t[0] for t in self.model.rotary_emb(hidden, positions[None]))   # [T, head_dim], once per step
+        # [T, head_dim], once per step
+        cos, sin = (t[0] for t in self.model.rotary_emb(hidden, positions[None]))
         delta = None                       # what the last block adds to the residual stream, added lazily
         for index, layer in enumerate(self.layers):
             x = ops.add_rms_norm(hidden, delta, layer.input_norm)

@@ -77,9 +77,11 @@ class StepBuffers:
         self.row_index = torch.arange(max_rows, device=device)
         self._host_tokens = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pinned)
         self._host_seq_lens = torch.ones(max_rows, dtype=torch.int32, pin_memory=pinned)
-        self._host_block_table = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32, pin_memory=pinned)
+        self._host_block_table = torch.zeros(max_rows, max_blocks_per_seq, dtype=torch.int32,
+                                             pin_memory=pinned)
         self._copied = None                      # the event after the last copy (CUDA only)
-        # padding row j: position j % block_size of padding block j // block_size, so every one has its own slot
+        # padding row j: position j % block_size of padding block j // block_size, so every one has
+        # its own slot
         rows = np.arange(max_rows)
         self.padding_blocks = (first_padding_block + rows // block_size).astype(np.int32)
         self.padding_positions = rows % block_size
@@ -87,7 +89,8 @@ class StepBuffers:
 
     def write(self, token_ids: np.ndarray, block_table: np.ndarray, slots: np.ndarray, starts: np.ndarray,
               size: int) -> None:
-        """Rows `slots` of the persistent batch, each computing its token at `starts`, then padding up to `size`."""
+        """Rows `slots` of the persistent batch, each computing its token at `starts`, then padding up to
+        `size`."""
         self._wait_for_last_copy()
         num_rows, block_size = len(slots), self.block_size
         input_ids, positions, slot_mapping = self._host_tokens.numpy()
@@ -125,7 +128,8 @@ class StepBuffers:
             self._copied.synchronize()
 
     def inputs(self, size: int, num_rows: int, logits_indices: torch.Tensor, max_seq_len: int) -> StepInputs:
-        """The step as views of the buffers at `size` rows: the same tensors (shapes, addresses) every time."""
+        """The step as views of the buffers at `size` rows: the same tensors (shapes, addresses) every
+        time."""
         return StepInputs(
             input_ids=self.tokens[0, :size], positions=self.tokens[1, :size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
@@ -137,8 +141,8 @@ class StepBuffers:
 class DecodeGraphs:
     """`try_prepare` a decode-only step into the buffers (None when it does not fit); `run` it."""
 
-    def __init__(self, runner: Runner, sizes: tuple[int, ...], max_blocks_per_seq: int, first_padding_block: int,
-                 capture: bool):
+    def __init__(self, runner: Runner, sizes: tuple[int, ...], max_blocks_per_seq: int,
+                 first_padding_block: int, capture: bool):
         self.runner = runner
         self.sizes = tuple(sorted(sizes))
         self.max_seq_len = max_blocks_per_seq * runner.block_size    # an upper bound; no kernel reads it here
@@ -153,8 +157,8 @@ class DecodeGraphs:
         index = bisect.bisect_left(self.sizes, num_rows)
         return self.sizes[index] if index < len(self.sizes) else None
 
-    def try_prepare(self, token_ids: np.ndarray, block_table: np.ndarray, slots: np.ndarray, starts: np.ndarray,
-                    query_lens: np.ndarray, samples: np.ndarray) -> StepInputs | None:
+    def try_prepare(self, token_ids: np.ndarray, block_table: np.ndarray, slots: np.ndarray,
+                    starts: np.ndarray, query_lens: np.ndarray, samples: np.ndarray) -> StepInputs | None:
         """The step in the buffers, padded to its size; None (nothing written) unless every row computes one
         token and the rows fit the largest graph."""
         size = self.size_for(len(slots))
@@ -196,13 +200,15 @@ class DecodeGraphs:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    self._forward(inputs)        # compiles and autotunes this size's kernels outside the capture
+                    # compiles and autotunes this size's kernels outside the capture
+                    self._forward(inputs)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[size] = self._forward(inputs)
                 self.graphs[size] = graph
             torch.cuda.synchronize()
-            report = GraphCapture(self.sizes, free_before - torch.cuda.mem_get_info()[0], time.perf_counter() - start)
+            report = GraphCapture(self.sizes, free_before - torch.cuda.mem_get_info()[0],
+                                  time.perf_counter() - start)
         log.info("decode steps: %s (sizes %s)", report.summary, ", ".join(map(str, report.sizes)))
         return report

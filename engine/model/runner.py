@@ -29,7 +29,8 @@ from .graphs import DecodeGraphs, capture_sizes, num_padding_blocks
 from .step_inputs import StepInputs
 
 ATTENTION_NAME = "batchtop_paged"
-TOKEN_ROWS_MAX_QUERY = 128      # longest query of a step whose attention runs as one decode-kernel row per token
+# longest query of a step whose attention runs as one decode-kernel row per token
+TOKEN_ROWS_MAX_QUERY = 128
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ class Runner:
     steps of up to `max_rows` rows go through `decode_graphs`; the KV caches then hold padding blocks
     after the pool's `num_blocks`."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, *, cuda_graphs: str = "off",
-                 max_rows: int = 0, max_blocks_per_seq: int = 0):
+    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, *,
+                 cuda_graphs: str = "off", max_rows: int = 0, max_blocks_per_seq: int = 0):
         _keep_freed_memory_in_the_heap()
         self.model = model
         self.device = model.device
@@ -122,10 +123,12 @@ class Runner:
         if mode == "off" or (mode == "on" and self.device.type != "cuda") or max_rows < 1:
             return ()
         if self.flat_forward is None:
-            log.warning("CUDA graphs off: %s runs through transformers' forward", self.model.config.model_type)
+            log.warning("CUDA graphs off: %s runs through transformers' forward",
+                        self.model.config.model_type)
             return ()
         if mode == "on" and kernels.resolve_backend(self.device) != "triton":
-            log.warning("CUDA graphs off: the torch attention backend reads the step's lengths back to the host")
+            log.warning("CUDA graphs off: the torch attention backend reads the step's lengths back to the "
+                        "host")
             return ()
         return capture_sizes(max_rows)
 
@@ -138,7 +141,8 @@ class Runner:
         that a graph holds is written into its buffers instead.
         """
         if self.decode_graphs is not None:
-            inputs = self.decode_graphs.try_prepare(token_ids, block_table, slots, starts, query_lens, samples)
+            inputs = self.decode_graphs.try_prepare(token_ids, block_table, slots, starts,
+                                                    query_lens, samples)
             if inputs is not None:
                 return inputs
         query_start_loc = np.zeros(len(slots) + 1, dtype=np.int64)
@@ -150,7 +154,8 @@ class Runner:
         seq_lens = starts + query_lens
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         step_block_table = block_table[slots, :max_blocks]
-        slot_mapping = (block_table[token_slots, positions // self.block_size].astype(np.int64) * self.block_size
+        slot_mapping = (block_table[token_slots,
+                                    positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
         tensor = self.to_device
         return StepInputs(
@@ -167,7 +172,8 @@ class Runner:
         )
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        """`array` on the runner's device: no copy on the CPU; on a GPU through pinned memory, without waiting."""
+        """`array` on the runner's device: no copy on the CPU; on a GPU through pinned memory, without
+        waiting."""
         if self.device.type == "cpu":
             return torch.from_numpy(array)
         return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
@@ -201,12 +207,14 @@ class Runner:
             else:
                 block_table = inputs.block_table.repeat_interleave(inputs.query_start_loc.diff(), dim=0)
                 seq_lens = (inputs.positions + 1).to(torch.int32)
-            return lambda index, query, scale: cpu.paged_decode(query, *caches[index], block_table, seq_lens, scale)
+            return lambda index, query, scale: cpu.paged_decode(query, *caches[index], block_table,
+                                                                seq_lens, scale)
         if kernels.resolve_backend(inputs.block_table.device) == "triton":
             # the lengths the host already knows: nothing read back, so no sync, and capturable in a graph
             metadata = kernels.attention_metadata_from_lengths(
                 inputs.query_start_loc, inputs.seq_lens, inputs.block_table, self.block_size,
-                num_tokens=len(inputs.input_ids), max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len)
+                num_tokens=len(inputs.input_ids), max_query_len=inputs.max_query_len,
+                max_seq_len=inputs.max_seq_len)
         else:
             metadata = kernels.build_attention_metadata(
                 inputs.query_start_loc, inputs.seq_lens, inputs.block_table, self.block_size)

@@ -38,7 +38,8 @@ class Case:
         if response.status_code not in allowed:
             self.problems.append(f"got {response.status_code}, expected {allowed}: {response.text[:200]}")
         elif response.status_code >= 400 and "error" not in _json(response):
-            self.problems.append(f"{response.status_code} without an OpenAI error body: {response.text[:200]}")
+            body = response.text[:200]
+            self.problems.append(f"{response.status_code} without an OpenAI error body: {body}")
         return response
 
 
@@ -63,7 +64,8 @@ class AbuseReport:
         lines = ["| case | requests | statuses | ok |", "|---|---:|---|---|"]
         for c in self.cases:
             statuses = ", ".join(f"{s}x{n}" for s, n in sorted(c.statuses.items()))
-            lines.append(f"| {c.name} | {sum(c.statuses.values())} | {statuses} | {'yes' if not c.problems else 'NO'} |")
+            lines.append(f"| {c.name} | {sum(c.statuses.values())} | {statuses} | "
+                         f"{'yes' if not c.problems else 'NO'} |")
         lines.append(f"\n{len(self.cases)} cases, {self.num_requests} requests, 5xx {self.num_5xx}, "
                      f"problems {len(self.problems)}, {self.elapsed_s:.1f} s")
         lines += [f"  {p}" for p in self.problems[:30]]
@@ -94,7 +96,8 @@ def run_cases(url: str, api_key: str | None, model: str, max_model_len: int, max
         if api_key:
             cases.append(_keys(url, api_key))
         still = Case("still serving afterwards")
-        still.expect(client.post("/v1/completions", json={"model": model, "prompt": [1, 2], "max_tokens": 3}), 200)
+        still.expect(client.post("/v1/completions",
+                                 json={"model": model, "prompt": [1, 2], "max_tokens": 3}), 200)
         cases.append(still)
     return AbuseReport(cases, time.perf_counter() - started)
 
@@ -103,7 +106,8 @@ def _oversized_bodies(client, model, limit) -> Case:
     case = Case("bodies at and over the size limit (413)")
     pad = limit - 200
     just_under = json.dumps({"model": model, "prompt": [1], "max_tokens": 1, "pad": "x" * pad}).encode()
-    case.expect(client.post("/v1/completions", content=just_under, headers={"Content-Type": "application/json"}),
+    case.expect(client.post("/v1/completions", content=just_under,
+                            headers={"Content-Type": "application/json"}),
                 200)
     over = json.dumps({"model": model, "prompt": [1], "max_tokens": 1, "pad": "x" * (limit + 10)}).encode()
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/knobs"):
@@ -112,7 +116,8 @@ def _oversized_bodies(client, model, limit) -> Case:
     def chunked():                                # no Content-Length: counted as it arrives
         for _ in range(limit // 65536 + 2):
             yield b" " * 65536
-    case.expect(client.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"}),
+    case.expect(client.post("/v1/completions", content=chunked(),
+                            headers={"Content-Type": "application/json"}),
                 413)
     return case
 
@@ -138,11 +143,12 @@ def _odd_numbers(client, model) -> Case:
     raw = lambda text: client.post("/v1/completions", content=text.encode(),  # noqa: E731
                                    headers={"Content-Type": "application/json"})
     base = f'{{"model": "{model}", "prompt": [1, 2], "max_tokens": 2'
-    for field_text in ('"temperature": NaN', '"temperature": Infinity', '"temperature": 1e400', '"top_p": NaN',
-                       '"top_p": -Infinity', '"top_k": 100000000000000000000000', '"seed": 100000000000000000000000',
-                       '"seed": -1', '"temperature": 1e308', '"max_tokens": 1e400', '"n": 2', '"stop": [""]',
-                       '"stop": "' + "s" * 10_000 + '"', '"prompt": [[]]', '"prompt": []', '"prompt": [[1], []]',
-                       '"prompt": [-1]', '"prompt": [1e30]', '"stream_options": {"include_usage": "yes"}'):
+    for field_text in ('"temperature": NaN', '"temperature": Infinity', '"temperature": 1e400',
+                       '"top_p": NaN', '"top_p": -Infinity', '"top_k": 100000000000000000000000',
+                       '"seed": 100000000000000000000000', '"seed": -1', '"temperature": 1e308',
+                       '"max_tokens": 1e400', '"n": 2', '"stop": [""]', '"stop": "' + "s" * 10_000 + '"',
+                       '"prompt": [[]]', '"prompt": []', '"prompt": [[1], []]', '"prompt": [-1]',
+                       '"prompt": [1e30]', '"stream_options": {"include_usage": "yes"}'):
         case.expect(raw(f"{base}, {field_text}}}"), 200, 400)
     return case
 
@@ -150,13 +156,17 @@ def _odd_numbers(client, model) -> Case:
 def _bad_bytes(client, model) -> Case:
     case = Case("invalid UTF-8 and unpaired surrogates")
     json_type = {"Content-Type": "application/json"}
-    case.expect(client.post("/v1/completions", content=b'{"model": "' + model.encode() + b'", "prompt": "\xff\xfe\xfd"}',
+    case.expect(client.post("/v1/completions",
+                            content=b'{"model": "' + model.encode() + b'", "prompt": "\xff\xfe\xfd"}',
                             headers=json_type), 400)
     case.expect(client.post("/v1/chat/completions", content=b'{"model": "' + model.encode()
-                            + b'", "messages": [{"role": "user", "content": "\xc3\x28"}]}', headers=json_type), 400)
-    case.expect(client.post("/v1/knobs", content=b'{"name": "max_num_seqs\xff", "value": 4}', headers=json_type), 400)
+                            + b'", "messages": [{"role": "user", "content": "\xc3\x28"}]}',
+                            headers=json_type), 400)
+    case.expect(client.post("/v1/knobs", content=b'{"name": "max_num_seqs\xff", "value": 4}',
+                            headers=json_type), 400)
     for text in ('"\\ud800"', '"a\\udfffb"', '"\\u0000"'):
-        case.expect(client.post("/v1/completions", content=f'{{"model": "{model}", "prompt": {text}, "max_tokens": 1}}',
+        case.expect(client.post("/v1/completions",
+                                content=f'{{"model": "{model}", "prompt": {text}, "max_tokens": 1}}',
                                 headers=json_type), 200, 400)
     case.expect(client.post("/v1/completions", content=b"\x00\x01\x02", headers=json_type), 400)
     case.expect(client.post("/v1/requests/%FF%FE/abort"), 404)
@@ -170,7 +180,8 @@ def _deep_and_wide(client, model, limit) -> Case:
     depth = min(limit // 2 - 100, 200_000)
     deep = b'{"model": "' + model.encode() + b'", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
     case.expect(client.post("/v1/completions", content=deep, headers=json_type), 400)
-    case.expect(client.post("/v1/knobs", content=b'{"name": "x", "value": ' + b"[" * depth + b"]" * depth + b"}",
+    case.expect(client.post("/v1/knobs",
+                            content=b'{"name": "x", "value": ' + b"[" * depth + b"]" * depth + b"}",
                             headers=json_type), 400)
     wide = json.dumps({"model": model, "prompt": [[1]] * 300, "max_tokens": 1})
     case.expect(client.post("/v1/completions", content=wide, headers=json_type), 200)
@@ -181,7 +192,8 @@ def _slow_reader(url, headers, client, model) -> Case:
     """A stream read one byte at a time through a tiny receive buffer, while others are served."""
     case = Case("a client reading its stream one byte at a time")
     host, port = urlsplit(url).hostname, urlsplit(url).port
-    body = json.dumps({"model": model, "prompt": [5, 6, 7], "max_tokens": 64, "ignore_eos": True, "stream": True})
+    body = json.dumps({"model": model, "prompt": [5, 6, 7], "max_tokens": 64, "ignore_eos": True,
+                       "stream": True})
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{head}"
                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}").encode()
@@ -221,7 +233,8 @@ def _flood(url, headers, model, num_requests) -> Case:
         limits = httpx.Limits(max_connections=num_requests, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=300) as aclient:
             body = {"model": model, "prompt": [3], "max_tokens": 1}
-            return await asyncio.gather(*[aclient.post("/v1/completions", json=body) for _ in range(num_requests)],
+            return await asyncio.gather(*[aclient.post("/v1/completions",
+                                                       json=body) for _ in range(num_requests)],
                                         return_exceptions=True)
     for response in asyncio.run(flood()):
         if isinstance(response, Exception):
@@ -238,8 +251,9 @@ def _keys(url, api_key) -> Case:
     wrong = [None, "", "Bearer", f"Bearer {api_key[:-1]}", f"Bearer {api_key}x", f"Bearer {api_key.upper()}",
              f"bearer {api_key}", api_key, f"Bearer  {api_key}", "Bearer " + "x" * 10_000]
     control = [("POST", "/v1/knobs", {"name": "max_num_seqs", "value": 1}), ("POST", "/v1/pause", None),
-               ("POST", "/v1/resume", None), ("POST", "/v1/step", None), ("POST", "/v1/requests/cmpl-0/abort", None),
-               ("GET", "/v1/knobs", None), ("GET", "/v1/events", None)]
+               ("POST", "/v1/resume", None), ("POST", "/v1/step", None),
+               ("POST", "/v1/requests/cmpl-0/abort", None), ("GET", "/v1/knobs", None),
+               ("GET", "/v1/events", None)]
     with httpx.Client(base_url=url, timeout=30) as client:
         for header in wrong:
             for method, path, body in control:
@@ -254,14 +268,15 @@ def _keys(url, api_key) -> Case:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.abuse", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.abuse",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--flood", type=int, default=2000, help="tiny requests sent at once")
     args = parser.parse_args(argv)
     config = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=256, max_num_seqs=64, num_threads=1)
     server = build_server(config, api_key=API_KEY)
     with ServerThread(server) as thread:
-        report = run_cases(thread.url, API_KEY, server.model_name, server.engine.max_model_len, server.max_body_bytes,
-                           flood=args.flood)
+        report = run_cases(thread.url, API_KEY, server.model_name, server.engine.max_model_len,
+                           server.max_body_bytes, flood=args.flood)
     server.loop.stop()
     print(report.text())
     return 1 if report.problems or report.num_5xx else 0

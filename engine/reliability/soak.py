@@ -98,8 +98,8 @@ class SoakReport:
             f"knob changes {self.knob_changes} (mode switches {self.mode_switches}), invalid knobs refused "
             f"{self.knobs_refused}",
             f"preemptions {self.preemptions}  retractions {self.retractions}",
-            f"longest wait {self.longest_wait_steps} steps ({self.longest_wait_s:.2f} s) arrival to admission; "
-            f"longest life {self.longest_life_steps} steps; drain {self.drain_steps} steps",
+            f"longest wait {self.longest_wait_steps} steps ({self.longest_wait_s:.2f} s) arrival to "
+            f"admission; longest life {self.longest_life_steps} steps; drain {self.drain_steps} steps",
             f"violations {len(self.violations)}",
         ]
         lines += [f"  {v}" for v in self.violations[:20]]
@@ -129,7 +129,8 @@ def check_invariants(engine: Engine) -> list[str]:
     if stray:
         problems.append(f"blocks held by requests neither running nor padding: {sorted(stray)[:5]}")
     if len(running) + len(padding) > engine.batch.capacity:
-        problems.append(f"{len(running) + len(padding)} rows exceed the batch capacity {engine.batch.capacity}")
+        problems.append(f"{len(running) + len(padding)} rows exceed the batch capacity "
+                        f"{engine.batch.capacity}")
     for request_id, slot in engine.batch.slot_of.items():
         if engine.batch.request_ids[slot] != request_id:
             problems.append(f"batch slot {slot} does not hold {request_id}")
@@ -146,7 +147,8 @@ class Soak:
         self.engine = Engine(EngineConfig(
             model="tiny", num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
             max_model_len=config.max_model_len, max_num_seqs=16, max_num_batched_tokens=128,
-            batch_capacity=BATCH_CAPACITY, dynamic_timeout_s=0.001, num_threads=config.num_threads), sink=self.log)
+            batch_capacity=BATCH_CAPACITY, dynamic_timeout_s=0.001,
+            num_threads=config.num_threads), sink=self.log)
         self.report = SoakReport()
         self.progress = progress
         self._arrived: dict[str, int] = {}      # request id -> step of arrival
@@ -193,11 +195,13 @@ class Soak:
     def _arrivals(self) -> None:
         cfg, rng = self.config, self.rng
         for _ in range(_poisson(rng, cfg.arrivals_per_step)):
-            if self.report.requests >= cfg.num_requests or len(self.engine.scheduler.waiting) >= cfg.max_waiting:
+            num_waiting = len(self.engine.scheduler.waiting)
+            if self.report.requests >= cfg.num_requests or num_waiting >= cfg.max_waiting:
                 return
             prompt_len = rng.randint(1, cfg.max_prompt_tokens)
-            sampling = SamplingParams(max_tokens=rng.randint(1, cfg.max_output_tokens), ignore_eos=rng.random() < 0.8,
-                                      temperature=rng.choice((0.0, 0.0, 1.0)), seed=rng.randint(0, 99))
+            sampling = SamplingParams(max_tokens=rng.randint(1, cfg.max_output_tokens),
+                                      ignore_eos=rng.random() < 0.8, temperature=rng.choice((0.0, 0.0, 1.0)),
+                                      seed=rng.randint(0, 99))
             prompt = [rng.randint(0, self.engine.vocab_size - 1) for _ in range(prompt_len)]
             request_id = self.engine.add_request(prompt, sampling, priority=rng.randint(0, 3))
             self._arrived[request_id] = self.engine.step_count
@@ -262,8 +266,9 @@ class Soak:
             kind = type(event)
             if kind is ev.StepPlanned:
                 if event.prefill_tokens + event.decode_tokens > event.token_budget:
-                    report.violations.append(f"step {event.step}: {event.prefill_tokens + event.decode_tokens} "
-                                             f"tokens scheduled over the budget {event.token_budget}")
+                    report.violations.append(f"step {event.step}: "
+                                             f"{event.prefill_tokens + event.decode_tokens} tokens scheduled "
+                                             f"over the budget {event.token_budget}")
             elif kind is ev.RequestAdmitted:
                 self._progress(event.step)
                 if not event.resumed and event.request_id not in self._admitted:
@@ -272,7 +277,8 @@ class Soak:
                     report.longest_wait_steps = max(report.longest_wait_steps, wait)
                     request = engine.requests.get(event.request_id)
                     if request is not None and request.admit_time is not None:
-                        report.longest_wait_s = max(report.longest_wait_s, request.admit_time - request.arrival_time)
+                        report.longest_wait_s = max(report.longest_wait_s,
+                                                    request.admit_time - request.arrival_time)
                 cap = knobs.max_num_seqs if knobs.batching_mode == "continuous" else min(
                     knobs.static_batch_size, knobs.max_num_seqs)
                 if len(engine.scheduler.running) > max(cap, self._cap_before_step):
@@ -303,7 +309,8 @@ class Soak:
         if engine.kv.num_free_blocks != engine.kv.num_blocks:
             report.violations.append(f"after the drain {engine.kv.num_used_blocks} blocks are still used")
         if engine.requests:
-            report.violations.append(f"after the drain the engine still keeps {len(engine.requests)} requests")
+            report.violations.append(f"after the drain the engine still keeps {len(engine.requests)} "
+                                     "requests")
         twice = [rid for rid, n in self._retired.items() if n != 1]
         if twice:
             report.violations.append(f"retired more than once: {twice[:5]}")
@@ -326,7 +333,8 @@ def run_soak(config: SoakConfig = SoakConfig(), progress=None) -> SoakReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.soak",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=SoakConfig.num_requests)
     parser.add_argument("--seed", type=int, default=SoakConfig.seed)
     parser.add_argument("--kv-blocks", type=int, default=SoakConfig.num_kv_blocks)

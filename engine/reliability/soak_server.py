@@ -47,7 +47,8 @@ class ServerSoakReport:
         return sum(n for status, n in self.statuses.items() if status >= 500)
 
     def text(self) -> str:
-        lines = [f"requests {self.requests} in {self.elapsed_s:.1f} s ({self.requests / max(self.elapsed_s, 1e-9):.1f}/s)",
+        lines = [f"requests {self.requests} in {self.elapsed_s:.1f} s "
+                 f"({self.requests / max(self.elapsed_s, 1e-9):.1f}/s)",
                  f"outcomes {dict(sorted(self.outcomes.items()))}",
                  f"statuses {dict(sorted(self.statuses.items()))}  5xx {self.num_5xx}",
                  "served  RSS MiB  engine.requests  server pending  event ring"]
@@ -73,8 +74,9 @@ class ServerSoak:
         self.report = ServerSoakReport()
         self._owns_server = served is None
         if served is None:
-            server = build_server(EngineConfig(model="tiny", num_kv_blocks=48, max_model_len=256, max_num_seqs=16,
-                                               num_threads=1), api_key=API_KEY, event_history=event_history)
+            server = build_server(EngineConfig(model="tiny", num_kv_blocks=48, max_model_len=256,
+                                               max_num_seqs=16, num_threads=1), api_key=API_KEY,
+                                               event_history=event_history)
             served = (server, ServerThread(server).start())
         self.server, self.thread = served
         self.headers = {"Authorization": f"Bearer {self.server.api_key}"} if self.server.api_key else {}
@@ -181,12 +183,14 @@ class ServerSoak:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.soak_server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.soak_server",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-every", type=int, default=1000)
-    parser.add_argument("--event-history", type=int, default=100_000, help="the server's event ring, as serve's flag")
+    parser.add_argument("--event-history", type=int, default=100_000,
+                        help="the server's event ring, as serve's flag")
     args = parser.parse_args(argv)
     report = ServerSoak(args.requests, args.concurrency, args.seed, args.sample_every,
                         event_history=args.event_history).run()

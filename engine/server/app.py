@@ -165,7 +165,8 @@ class BatchtopServer:
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+            raise ApiError(404,
+                           f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
     # -- generation ------------------------------------------------------------------------
@@ -295,8 +296,11 @@ class BatchtopServer:
         done = [False] * len(pendings)
         try:
             if chat:
-                yield "data: " + dumps({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                            "logprobs": None, "finish_reason": None}]}) + "\n\n"
+                yield "data: " + dumps({**head,
+                                        "choices": [{"index": 0,
+                                                     "delta": {"role": "assistant", "content": ""},
+                                                            "logprobs": None,
+                                                            "finish_reason": None}]}) + "\n\n"
             while not all(done):
                 out = []
                 for i, (p, t) in enumerate(zip(pendings, texts)):
@@ -323,7 +327,8 @@ class BatchtopServer:
                 except asyncio.TimeoutError:
                     self.check_engine()
             if include_usage:
-                yield "data: " + dumps({**head, "choices": [], "usage": self._usage(texts, prompt_lens)}) + "\n\n"
+                yield "data: " + dumps({**head, "choices": [],
+                                        "usage": self._usage(texts, prompt_lens)}) + "\n\n"
             yield "data: [DONE]\n\n"
         except ApiError as error:
             yield "data: " + dumps(error.body()) + "\n\ndata: [DONE]\n\n"
@@ -435,7 +440,8 @@ def build_app(server: BatchtopServer) -> FastAPI:
         pump.cancel()
 
     app = FastAPI(title="batchtop", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible serving, telemetry events and live control of a batchtop engine")
+                  description="OpenAI-compatible serving, telemetry events and live control of a batchtop "
+                              "engine")
     app.add_middleware(BodyLimit, max_bytes=server.max_body_bytes)
     if server.api_key:                   # outermost: a request without the key is refused unread
         app.add_middleware(BearerAuth, api_key=server.api_key)
@@ -451,13 +457,16 @@ def build_app(server: BatchtopServer) -> FastAPI:
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "batchtop", "max_model_len": server.engine.max_model_len}]}
+        return {"object": "list",
+                "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "batchtop",
+                                            "max_model_len": server.engine.max_model_len}]}
 
     @app.get("/health", responses=ERROR_RESPONSES)
     async def health():
         if not server.loop.running:
-            return JSONResponse({"status": "engine stopped", "error": repr(server.loop.error)}, status_code=503)
+            return JSONResponse({"status": "engine stopped", "error": repr(server.loop.error)},
+                                status_code=503)
         return {"status": "ok", "paused": server.paused}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
@@ -472,8 +481,8 @@ def build_app(server: BatchtopServer) -> FastAPI:
     async def events(request: Request, from_step: Union[int, None] = Query(None, ge=0, le=2**62)):
         server.pump()
         try:
-            return events_response(server.ring, request.headers.get("last-event-id"), from_step, server.hello(),
-                                   closing=lambda: server.closing,
+            return events_response(server.ring, request.headers.get("last-event-id"), from_step,
+                                   server.hello(), closing=lambda: server.closing,
                                    on_join=lambda: server.loop.request_snapshot("subscribe"))
         except ValueError as error:
             raise ApiError(400, str(error), param="Last-Event-ID") from None
@@ -540,7 +549,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def build_server(config, *, api_key: str | None = None, model_name: str | None = None,
-                 event_history: int = 100_000, max_body_bytes: int = MAX_BODY_BYTES, loaded=None) -> BatchtopServer:
+                 event_history: int = 100_000, max_body_bytes: int = MAX_BODY_BYTES,
+                 loaded=None) -> BatchtopServer:
     """Load the model, start the engine loop, and wrap it (the HTTP side is not started)."""
     from batchtop.engine.core.engine import Engine
     from batchtop.telemetry.bus import EventBus
@@ -562,12 +572,13 @@ def uvicorn_server(server: BatchtopServer, *, log_level: str = "warning", access
             flight.dump_all(f"signal {signal.Signals(sig).name}")    # uvicorn's handler replaces the CLI's
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(server.app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=3,
-                            timeout_keep_alive=30)
+    config = uvicorn.Config(server.app, log_level=log_level, access_log=access_log,
+                            timeout_graceful_shutdown=3, timeout_keep_alive=30)
     return Server(config)
 
 
-def serve(server: BatchtopServer, host: str = "127.0.0.1", port: int = 8000, *, access_log: bool = False) -> None:
+def serve(server: BatchtopServer, host: str = "127.0.0.1", port: int = 8000, *,
+          access_log: bool = False) -> None:
     """Bind (after the loopback rule) and serve until interrupted."""
     check_bind(host, server.api_key)
     sock = bind_socket(host, port)

@@ -17,7 +17,8 @@ def add_serve(sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("BATCHTOP_API_KEY"),
                        help="require `Authorization: Bearer KEY` on every endpoint (env BATCHTOP_API_KEY)")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: --model)")
     serve.add_argument("--event-history", type=int, default=100_000, help="events kept for stream resumption")
     serve.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
                        help="larger request bodies get 413 (default 2 MiB)")

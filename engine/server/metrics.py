@@ -58,11 +58,13 @@ class ServerMetrics:
         def histogram(name, text, buckets):
             return Histogram(name, text, ("model_name",), buckets=buckets, registry=registry).labels(**model)
 
-        self.running = _Family(gauge("batchtop_requests_running", "Requests in the running batch (as of the last "
+        self.running = _Family(gauge("batchtop_requests_running",
+                                     "Requests in the running batch (as of the last "
                                      "step).").labels(**model),
                                gauge("vllm:num_requests_running", "Number of requests in model execution "
                                      "batches.").labels(**model))
-        self.waiting = _Family(gauge("batchtop_requests_waiting", "Requests waiting for admission.").labels(**model),
+        self.waiting = _Family(gauge("batchtop_requests_waiting",
+                                     "Requests waiting for admission.").labels(**model),
                                gauge("vllm:num_requests_waiting", "Number of requests waiting to be "
                                      "processed.").labels(**model))
         self.kv_used = gauge("batchtop_kv_blocks_used", "KV cache blocks in use.").labels(**model)
@@ -73,9 +75,11 @@ class ServerMetrics:
             ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."))))
         self.steps = counter("batchtop_steps_total", "Engine steps run.").labels(**model)
-        any_preemption = counter("vllm:num_preemptions_total", "Cumulative number of preemptions (retractions "
+        any_preemption = counter("vllm:num_preemptions_total",
+                                 "Cumulative number of preemptions (retractions "
                                  "included).").labels(**model)
-        self.preemptions = _Family(counter("batchtop_preemptions_total", "Recompute preemptions.").labels(**model),
+        self.preemptions = _Family(counter("batchtop_preemptions_total",
+                                           "Recompute preemptions.").labels(**model),
                                    any_preemption)
         self.retractions = _Family(counter("batchtop_retractions_total", "Retractions.").labels(**model),
                                    any_preemption)
@@ -89,36 +93,45 @@ class ServerMetrics:
         self.events_dropped = counter("batchtop_events_dropped_total",
                                       "Telemetry events the server lost.").labels(**model)
         self.paused = gauge("batchtop_paused", "1 while the engine loop is paused.").labels(**model)
-        self._finished = counter("batchtop_requests_finished_total", "Requests retired, by reason.", ("reason",))
+        self._finished = counter("batchtop_requests_finished_total",
+                                 "Requests retired, by reason.", ("reason",))
         self._success = counter("vllm:request_success_total", "Count of successfully processed requests.",
                                 ("finished_reason",))
         self._knob = gauge("batchtop_knob", "Numeric engine knobs.", ("name",))
-        waited = counter("batchtop_request_waiting_seconds_total", "Seconds requests spent in the waiting queue, by "
+        waited = counter("batchtop_request_waiting_seconds_total",
+                         "Seconds requests spent in the waiting queue, by "
                          "what stopped admission (counted when each wait ends).", ("reason",))
         self._waited_s = {r: waited.labels(model_name=model_name, reason=r) for r in ev.WAIT_REASONS}
-        blocked = gauge("batchtop_admission_blocked", "1 for what stops admission at the head of the waiting queue "
+        blocked = gauge("batchtop_admission_blocked",
+                        "1 for what stops admission at the head of the waiting queue "
                         "now (all 0 when nobody waits).", ("reason",))
         self._blocked = {r: blocked.labels(model_name=model_name, reason=r) for r in ev.WAIT_REASONS
                          if r != "next_step"}
         self.waiting_s = dict.fromkeys(ev.WAIT_REASONS, 0.0)   # request-seconds in the queue, by reason
         self.admission_blocked: str | None = None              # the reason, while anyone waits
         self.ttft = _Family(
-            histogram("batchtop_time_to_first_token_seconds", "Time to first token (from arrival).", TTFT_BUCKETS),
-            histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS))
+            histogram("batchtop_time_to_first_token_seconds",
+                      "Time to first token (from arrival).", TTFT_BUCKETS),
+            histogram("vllm:time_to_first_token_seconds",
+                      "Histogram of time to first token in seconds.", TTFT_BUCKETS))
         self.itl = _Family(
             histogram("batchtop_inter_token_latency_seconds", "Gap between consecutive tokens of a request.",
                       ITL_BUCKETS),
-            histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
-            histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds (per "
+            histogram("vllm:inter_token_latency_seconds",
+                      "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+            histogram("vllm:time_per_output_token_seconds",
+                      "Histogram of time per output token in seconds (per "
                       "token, as vLLM's legacy metric).", ITL_BUCKETS))
         self.tpot = _Family(
             histogram("batchtop_time_per_output_token_seconds", "Per-request mean time per output token.",
                       ITL_BUCKETS),
-            histogram("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds "
+            histogram("vllm:request_time_per_output_token_seconds",
+                      "Histogram of time_per_output_token_seconds "
                       "per request.", ITL_BUCKETS))
         self.e2e = _Family(
             histogram("batchtop_e2e_request_latency_seconds", "Arrival to retirement.", E2E_BUCKETS),
-            histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS))
+            histogram("vllm:e2e_request_latency_seconds",
+                      "Histogram of e2e request latency in seconds.", E2E_BUCKETS))
         self.finished: Tally = Tally()          # reason -> requests (the abort tests read it)
         self._arrival: dict[str, tuple[float, int]] = {}     # request id -> (t, prompt tokens)
         self._first: dict[str, float] = {}

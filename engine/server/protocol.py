@@ -41,7 +41,9 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=1_000_000, description="vLLM extension; 0 or -1: no cut")
     seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
     n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
-    stop: str | list[str] | None = Field(None, description="up to 4 strings; generation stops when the text contains one")
+    stop: str | list[str] | None = Field(None,
+                                         description="up to 4 strings; generation stops when the text "
+                                                     "contains one")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(False, description="vLLM extension: keep going past EOS (benchmarks)")
@@ -72,7 +74,9 @@ class KnobUpdate(BaseModel):
     then names the allowed values in the engine's words."""
     model_config = ConfigDict(extra="forbid")
     name: str = Field(..., description="one of " + ", ".join(KNOBS))
-    value: Union[bool, int, float, str] = Field(..., description="GET /v1/knobs: `ranges` says what each knob takes")
+    value: Union[bool, int, float, str] = Field(...,
+                                                description="GET /v1/knobs: `ranges` says what each knob "
+                                                            "takes")
 
 
 def message_text(content) -> str:

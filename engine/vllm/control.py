@@ -37,7 +37,8 @@ class Controls:
         self._scheduler = scheduler
         self._announce, self._refuse, self._note_paused = announce, refuse, note_paused
         self.rules = {rule.name: rule for rule in (
-            KnobRule("max_num_seqs", 1, scheduler.max_num_active_reqs, "vLLM's admission cap (max_num_active_reqs)"),
+            KnobRule("max_num_seqs", 1, scheduler.max_num_active_reqs,
+                     "vLLM's admission cap (max_num_active_reqs)"),
             KnobRule("max_num_batched_tokens", 1, scheduler.max_num_scheduled_tokens,
                      "vLLM's token budget (max_num_scheduled_tokens)"),
             KnobRule("long_prefill_token_threshold", 0, scheduler.max_num_scheduled_tokens,

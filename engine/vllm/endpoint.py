@@ -73,7 +73,8 @@ class SideEndpoint:
         s = self.scheduler
         model = s.vllm_config.model_config.served_model_name
         return {"knobs": self.controls.knobs(), "paused": self.controls.paused, "block_size": s.block_size,
-                "num_kv_blocks": s.kv_cache_manager.block_pool.num_gpu_blocks - 1, "max_model_len": s.max_model_len,
+                "num_kv_blocks": s.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+                "max_model_len": s.max_model_len,
                 "model": model[0] if isinstance(model, (list, tuple)) else model,
                 "engine": f"vllm {vllm.__version__}", "scheduler": type(s).__name__,
                 "data_parallel_rank": s._batchtop_rank(), "slots": "mirrored", "layout": "condense",
@@ -119,7 +120,8 @@ class SideEndpoint:
             endpoint.pump()
             try:
                 return events_response(endpoint.ring, request.headers.get("last-event-id"), from_step,
-                                       endpoint.hello(), closing=lambda: endpoint.closing, on_join=endpoint.resync)
+                                       endpoint.hello(), closing=lambda: endpoint.closing,
+                                       on_join=endpoint.resync)
             except ValueError as bad:
                 return error(400, str(bad), param="Last-Event-ID")
 
@@ -155,7 +157,8 @@ class SideEndpoint:
 
         @app.post("/v1/requests/{request_id}/abort")
         async def abort(request_id: str):
-            return error(501, "batchtop cannot abort a request inside vLLM: vLLM's API server owns it (a client "
+            return error(501,
+                         "batchtop cannot abort a request inside vLLM: vLLM's API server owns it (a client "
                               "that closes its connection aborts it)", code="not_supported")
 
         return app

@@ -159,8 +159,8 @@ class LaunchedServer:
 
 
 def launch_vllm(options: VllmOptions, *, log_path: str | os.PathLike | None = None) -> LaunchedServer:
-    return LaunchedServer(vllm_command(options), f"http://{options.host}:{options.port}", env=vllm_env(options),
-                          log_path=log_path)
+    url = f"http://{options.host}:{options.port}"
+    return LaunchedServer(vllm_command(options), url, env=vllm_env(options), log_path=log_path)
 
 
 def shell_line(options: VllmOptions) -> str:

@@ -43,7 +43,8 @@ class _Step:
     """One scheduled step, from its `SchedulerOutput` until its output comes back."""
     __slots__ = ("output", "step", "plan", "prefill_rows", "scheduled_at", "schedule_s")
 
-    def __init__(self, output, step: int, plan: list, prefill_rows: list, scheduled_at: float, schedule_s: float):
+    def __init__(self, output, step: int, plan: list, prefill_rows: list, scheduled_at: float,
+                 schedule_s: float):
         self.output = output
         self.step = step                # 0: an empty schedule (nothing computed), not a step
         self.plan = plan                # (event type, fields) not yet emitted
@@ -75,8 +76,9 @@ class StepObserver:
 
     def arrived(self, request) -> None:
         self._tracks[request.request_id] = _Track(request.num_prompt_tokens, request.arrival_time)
-        self._emit(ev.RequestArrived, request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
-                   max_tokens=request.max_tokens, priority=request.priority)
+        self._emit(ev.RequestArrived, request_id=request.request_id,
+                   num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens,
+                   priority=request.priority)
 
     def finished_outside(self, requests) -> None:
         """Requests that `finish_requests()` ended (aborts from the API server)."""
@@ -114,20 +116,23 @@ class StepObserver:
         cached = output.scheduled_cached_reqs
         scheduled_ids = output.num_scheduled_tokens
         to_add = [r.req_id for r in output.scheduled_new_reqs] + list(cached.req_ids)
-        update = self.mirror.update(output.finished_req_ids, scheduled_ids.keys(), cached.resumed_req_ids, to_add,
+        update = self.mirror.update(output.finished_req_ids, scheduled_ids.keys(),
+                                    cached.resumed_req_ids, to_add,
                                     lambda request_id: requests[request_id].num_tokens)
         plan = self._preempted
         self._preempted = []
         admitted = dict(update.added)
         for new in output.scheduled_new_reqs:     # num_computed_tokens > 0: a prefix-cache hit
             plan.append((ev.RequestAdmitted, dict(request_id=new.req_id, slot=admitted[new.req_id],
-                                                  num_computed_tokens=new.num_computed_tokens, resumed=False)))
+                                                  num_computed_tokens=new.num_computed_tokens,
+                                                  resumed=False)))
         for request_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
             if request_id in cached.resumed_req_ids:
                 plan.append((ev.RequestAdmitted, dict(request_id=request_id, slot=admitted[request_id],
                                                       num_computed_tokens=computed, resumed=True)))
             elif request_id in admitted:     # running, left out of an earlier step: its row was rebuilt
-                plan.append((ev.RowMoved, dict(request_id=request_id, from_slot=update.left.get(request_id, -1),
+                plan.append((ev.RowMoved,
+                             dict(request_id=request_id, from_slot=update.left.get(request_id, -1),
                                                to_slot=admitted[request_id],
                                                num_bytes=requests[request_id].num_tokens * TOKEN_ID_BYTES)))
         for request_id in scheduled_ids:
@@ -140,7 +145,8 @@ class StepObserver:
             plan.append((ev.RowMoved, dict(request_id=move.request_id, from_slot=move.from_slot,
                                            to_slot=move.to_slot, num_bytes=move.num_bytes)))
         if update.added or update.num_removed:
-            plan.append((ev.BatchRebuilt, dict(layout="vllm", rows_kept=update.num_kept, rows_added=len(update.added),
+            plan.append((ev.BatchRebuilt,
+                         dict(layout="vllm", rows_kept=update.num_kept, rows_added=len(update.added),
                                                rows_removed=update.num_removed, rows_moved=len(update.moves),
                                                num_bytes=sum(m.num_bytes for m in update.moves))))
         step = 0
@@ -150,8 +156,8 @@ class StepObserver:
             prefill_rows, planned = self._rows(scheduled_ids, requests)
             used, total = self._kv_usage()
             plan.append((ev.StepPlanned, dict(**planned, num_padding_rows=0, token_budget=token_budget,
-                                              num_running=counts[0], num_waiting=counts[1], kv_blocks_used=used,
-                                              kv_blocks_total=total)))
+                                              num_running=counts[0], num_waiting=counts[1],
+                                              kv_blocks_used=used, kv_blocks_total=total)))
         key = None if blocked is None else (blocked["reason"], blocked["request_id"])
         if key != self._blocked_key:
             self._blocked_key = key
@@ -223,9 +229,9 @@ class StepObserver:
             used, total = self._kv_usage()
             self._emit(ev.StepFinished, step, num_rows=len(output.num_scheduled_tokens),
                        num_tokens=output.total_num_scheduled_tokens, sampled_request_ids=tuple(sampled),
-                       num_running=counts[0], num_waiting=counts[1], kv_blocks_used=used, kv_blocks_total=total,
-                       schedule_s=record.schedule_s, prepare_s=0.0, forward_s=forward_s, sample_s=0.0,
-                       update_s=update_s)
+                       num_running=counts[0], num_waiting=counts[1], kv_blocks_used=used,
+                       kv_blocks_total=total, schedule_s=record.schedule_s, prepare_s=0.0,
+                       forward_s=forward_s, sample_s=0.0, update_s=update_s)
         if self._in_flight:
             self._emit_plan(self._in_flight[0])
 
@@ -254,4 +260,5 @@ class StepObserver:
                    num_output_tokens=tuple(self._tracks[r.request_id].num_output_tokens for r, _ in entries),
                    num_computed_tokens=tuple(r.num_computed_tokens for r, _ in entries),
                    num_blocks=tuple(self._blocks_of(r.request_id) for r, _ in entries),
-                   max_tokens=tuple(r.max_tokens for r, _ in entries), kv_blocks_used=used, kv_blocks_total=total)
+                   max_tokens=tuple(r.max_tokens for r, _ in entries), kv_blocks_used=used,
+                   kv_blocks_total=total)

@@ -39,9 +39,10 @@ logger = init_logger(f"vllm.{__name__}")      # through vLLM's log handler
 
 def check_vllm_version(version: str = vllm.__version__) -> None:
     if not version.startswith(SUPPORTED_VLLM):
-        raise RuntimeError(f"batchtop's scheduler class supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
-                           f"this is vLLM {version}. Start vLLM without --scheduler-cls, or install a supported "
-                           f"vLLM (batchtop reads scheduler internals that change between versions).")
+        raise RuntimeError("batchtop's scheduler class supports vLLM "
+                           f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)}; this is vLLM {version}. Start "
+                           "vLLM without --scheduler-cls, or install a supported vLLM (batchtop reads "
+                           "scheduler internals that change between versions).")
 
 
 class BatchtopMixin:
@@ -63,16 +64,16 @@ class BatchtopMixin:
     def _batchtop_start(self) -> None:
         port = os.environ.get("BATCHTOP_EVENTS_PORT")
         if not port:
-            logger.warning("batchtop: BATCHTOP_EVENTS_PORT is not set, so nobody could read batchtop's events: "
-                           "the scheduler runs as vLLM's own")
+            logger.warning("batchtop: BATCHTOP_EVENTS_PORT is not set, so nobody could read batchtop's "
+                           "events: the scheduler runs as vLLM's own")
             return
         emit = self.batchtop_events.append
         self.batchtop_observer = StepObserver(emit, blocks_of=self._batchtop_blocks_of,
                                               kv_usage=self._batchtop_kv_usage)
 
         def announce(name, old, new, source):
-            emit(ev.KnobChanged(step=self.batchtop_observer.step, t=time.monotonic(), name=name, old=old, new=new,
-                                source=source))
+            emit(ev.KnobChanged(step=self.batchtop_observer.step, t=time.monotonic(), name=name,
+                                old=old, new=new, source=source))
 
         def refuse(command, message):
             emit(ev.CommandRefused(step=self.batchtop_observer.step, t=time.monotonic(), command=command,
@@ -148,8 +149,8 @@ class BatchtopMixin:
             output = self._batchtop_schedule_nothing(*args, **kwargs)
         schedule_s = time.perf_counter() - started
         try:
-            observer.scheduled(output, self.requests, self.max_num_scheduled_tokens, self.get_request_counts(),
-                               schedule_s, self._batchtop_blocked(output, may_run))
+            observer.scheduled(output, self.requests, self.max_num_scheduled_tokens,
+                               self.get_request_counts(), schedule_s, self._batchtop_blocked(output, may_run))
         except Exception:
             self._batchtop_failed("schedule")
         return output
@@ -206,7 +207,8 @@ class BatchtopMixin:
         observer = self.batchtop_observer
         if observer is not None:
             try:
-                observer.updated(scheduler_output, outputs, self.get_request_counts(), time.perf_counter() - started)
+                observer.updated(scheduler_output, outputs, self.get_request_counts(),
+                                 time.perf_counter() - started)
             except Exception:
                 self._batchtop_failed("update_from_output")
         return outputs

@@ -28,7 +28,8 @@ class LengthDist:
 
     def __post_init__(self):
         if self.kind not in DISTRIBUTIONS:
-            raise ValueError(f"length distribution must be one of {', '.join(DISTRIBUTIONS)}, got {self.kind!r}")
+            raise ValueError(f"length distribution must be one of {', '.join(DISTRIBUTIONS)}, got "
+                             f"{self.kind!r}")
         if not 1 <= self.low <= self.high:
             raise ValueError(f"need 1 <= low <= high, got low={self.low}, high={self.high}")
         if not self.mean > 0 or not self.alpha > 0:
@@ -139,6 +140,7 @@ def _positive(value) -> int | None:
     return int(value)
 
 
-def synthetic_prompt(num_tokens: int, rng: random.Random, vocab_low: int = 1000, vocab_high: int = 30000) -> list[int]:
+def synthetic_prompt(num_tokens: int, rng: random.Random, vocab_low: int = 1000,
+                     vocab_high: int = 30000) -> list[int]:
     """Prompt token ids for a length-only request: ordinary vocabulary, no special tokens."""
     return [rng.randrange(vocab_low, vocab_high) for _ in range(num_tokens)]

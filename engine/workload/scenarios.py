@@ -89,7 +89,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 )}
 
 
-def run_scenario(scenario: Scenario, steps: int, *, loaded=None, seed: int = 0, **overrides) -> list[ev.Event]:
+def run_scenario(scenario: Scenario, steps: int, *, loaded=None, seed: int = 0,
+                 **overrides) -> list[ev.Event]:
     """Run `steps` steps headless on the virtual clock; every event, in order."""
     from batchtop.engine.core.engine import Engine
     from batchtop.engine.core.sampling import SamplingParams
@@ -156,15 +157,16 @@ def report(name: str, events: list[ev.Event]) -> str:
                 return "no step with prompt tokens and decode rows"
             most = max(planned[e.step].prefill_tokens for e in mixed)
             biggest = [duration(e) for e in mixed if planned[e.step].prefill_tokens == most]
-            return (f"{len(biggest)} step(s) of {most} prompt tokens + decode rows took {median(biggest):.1f} ms "
-                    f"(median), decode-only steps {median(decode_only):.1f} ms")
+            return (f"{len(biggest)} step(s) of {most} prompt tokens + decode rows took "
+                    f"{median(biggest):.1f} ms (median), decode-only steps {median(decode_only):.1f} ms")
         before, after = [e for e in steps if e.step < cut], [e for e in steps if e.step >= cut]
         return f"threshold off: {stall(before)}; threshold 64: {stall(after)}"
     if name == "alternating":
         rebuilt = [e for e in events if isinstance(e, ev.BatchRebuilt)]
         moved = sum(1 for e in rebuilt if e.rows_moved)
-        return (f"layout {rebuilt[0].layout if rebuilt else '?'}: rows moved on {moved} of {len(steps)} steps "
-                f"({sum(e.rows_moved for e in rebuilt)} rows, {sum(e.num_bytes for e in rebuilt)} bytes)")
+        return (f"layout {rebuilt[0].layout if rebuilt else '?'}: rows moved on {moved} of {len(steps)} "
+                f"steps ({sum(e.rows_moved for e in rebuilt)} rows, {sum(e.num_bytes for e in rebuilt)} "
+                "bytes)")
     return ""
 
 

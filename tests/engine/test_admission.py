@@ -168,8 +168,8 @@ def tiny():
 
 def test_engine_emits_admission_blocked_on_change_only_and_splits_sum_to_queue_time(tiny):
     events = []
-    engine = Engine(EngineConfig(model="tiny", max_num_seqs=2, num_kv_blocks=64, block_size=4), sink=events.append,
-                    loaded=tiny)
+    engine = Engine(EngineConfig(model="tiny", max_num_seqs=2, num_kv_blocks=64, block_size=4),
+                    sink=events.append, loaded=tiny)
     for i in range(6):
         engine.add_request([100 + i] * 6, SamplingParams(max_tokens=5, ignore_eos=True))
     engine.note_paused(True)

@@ -30,7 +30,8 @@ def test_invalid_sampling_values_are_refused(kwargs, message):
 
 def test_request_larger_than_the_whole_pool_is_rejected_not_left_waiting(tiny):
     engine = engine_with(tiny, num_kv_blocks=2, block_size=16)
-    with pytest.raises(ValueError, match=r"prompt \(30 tokens\) \+ max_tokens \(5\) = 35 exceeds the whole KV pool "
+    with pytest.raises(ValueError,
+                       match=r"prompt \(30 tokens\) \+ max_tokens \(5\) = 35 exceeds the whole KV pool "
                                          r"of 32 tokens"):
         engine.add_request([7] * 30, SamplingParams(max_tokens=5))
     assert not engine.has_unfinished()

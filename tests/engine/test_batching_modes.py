@@ -39,7 +39,8 @@ def test_reference_static_batch_counts_padding_as_row_steps(tiny, tmp_path):
     log = tmp_path / "static.jsonl"
     events = []
     with Recorder(log, model="tiny") as recorder:
-        engine = Engine(EngineConfig(model="tiny", batching_mode="static", static_batch_size=8, max_num_seqs=8),
+        engine = Engine(EngineConfig(model="tiny", batching_mode="static", static_batch_size=8,
+                                     max_num_seqs=8),
                         sink=lambda e: (events.append(e), recorder.sink(e)), loaded=tiny)
         run(engine, lengths)
     _, replayed = read_log(log)
@@ -59,8 +60,8 @@ def test_static_utilisation_is_near_one_over_harmonic_number(tiny, batch_size, n
     rng = random.Random(batch_size)
     lengths = [max(1, round(rng.expovariate(1 / 32))) for _ in range(batch_size * num_batches)]
     events = []
-    engine = make_engine(tiny, events, batching_mode="static", static_batch_size=batch_size, max_num_seqs=batch_size,
-                         max_num_batched_tokens=4096)
+    engine = make_engine(tiny, events, batching_mode="static", static_batch_size=batch_size,
+                         max_num_seqs=batch_size, max_num_batched_tokens=4096)
     run(engine, lengths, prompt_len=2)
     measured = summarize(events).batch_utilisation
     harmonic = sum(1 / k for k in range(1, batch_size + 1))
@@ -111,7 +112,8 @@ def test_batching_mode_switch_waits_for_the_static_batch_to_end(tiny):
     while engine.has_unfinished():
         engine.step()
     change = of(events, ev.KnobChanged)[0]
-    assert (change.name, change.old, change.new, change.source) == ("batching_mode", "static", "continuous", "test")
+    assert (change.name, change.old, change.new, change.source) == ("batching_mode", "static",
+                                                                    "continuous", "test")
 
 
 def test_condense_steady_state_refill_moves_nothing_and_removal_moves_live_prefix(tiny):

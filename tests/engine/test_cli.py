@@ -11,8 +11,9 @@ def batchtop(*args, check=True):
 
 
 def test_generate_json_prints_one_object_per_prompt_in_order():
-    out = batchtop("generate", "--model", "tiny", "--prompt", "Hello", "--prompt", "a much longer prompt here",
-                   "--max-tokens", "5", "--ignore-eos", "--json", "--max-num-seqs", "1").stdout
+    out = batchtop("generate", "--model", "tiny", "--prompt", "Hello", "--prompt",
+                   "a much longer prompt here", "--max-tokens", "5", "--ignore-eos", "--json",
+                   "--max-num-seqs", "1").stdout
     rows = [json.loads(line) for line in out.splitlines()]
     assert [len(r["token_ids"]) for r in rows] == [5, 5]
     assert [r["request_id"] for r in rows] == ["r0", "r1"]
@@ -46,11 +47,13 @@ def test_record_a_trace_then_export_it(tmp_path):
 
 def test_bad_trace_line_is_named(tmp_path):
     trace = tmp_path / "trace.jsonl"
-    trace.write_text('{"arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": 12}\n{"arrival_s": 1, "output_tokens": 0}\n')
+    trace.write_text('{"arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": 12}\n{"arrival_s": 1, '
+                     '"output_tokens": 0}\n')
     result = batchtop("record", "--model", "tiny", "--trace", str(trace), "--out", str(tmp_path / "x.jsonl"),
                       check=False)
     assert result.returncode == 2 and f"{trace}:2: bad trace line" in result.stderr
-    result = batchtop("record", "--model", "tiny", "--trace", str(tmp_path / "missing"), "--out", "x", check=False)
+    result = batchtop("record", "--model", "tiny", "--trace", str(tmp_path / "missing"), "--out",
+                      "x", check=False)
     assert result.returncode == 2 and "No such file" in result.stderr
 
 
@@ -59,4 +62,5 @@ def test_cuda_graphs_flag_reaches_the_engine_config():
     from batchtop.tui.cli import build_parser
     parser = build_parser()
     assert engine_config(parser.parse_args(["generate", "--prompt", "x"])).cuda_graphs == "on"
-    assert engine_config(parser.parse_args(["generate", "--prompt", "x", "--cuda-graphs", "off"])).cuda_graphs == "off"
+    assert engine_config(parser.parse_args(["generate", "--prompt", "x", "--cuda-graphs",
+                                            "off"])).cuda_graphs == "off"

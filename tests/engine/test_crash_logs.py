@@ -50,12 +50,14 @@ def test_fault_in_forward_at_step_k_leaves_a_log_that_replays_to_k(tmp_path, mon
     steps = sorted({e.step for e in events})
     assert steps == list(range(FAIL_AT_STEP - KEPT_STEPS + 1, FAIL_AT_STEP + 1))
     assert max(e.step for e in events if isinstance(e, ev.StepFinished)) == FAIL_AT_STEP - 1
-    assert events[-1] == ev.StepFailed(step=FAIL_AT_STEP, t=events[-1].t, error="RuntimeError: injected fault")
+    assert events[-1] == ev.StepFailed(step=FAIL_AT_STEP, t=events[-1].t,
+                                       error="RuntimeError: injected fault")
     # the flight recorder saw what the engine's own sink saw, event for event
     assert events[1:] == [e for e in log.drain() if e.step >= steps[0]]
     # the loop retires the failed batch; the pool is whole again
     outputs = engine.fail_running()
-    assert {o.finish_reason for o in outputs} == {"error"} and engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert {o.finish_reason for o in outputs} == {"error"}
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
     replay = ReplaySource.from_file(path, clock=lambda: 0.0)
     replay.poll()
     assert replay.paused and replay.at_end

@@ -37,14 +37,16 @@ def test_a_step_takes_the_smallest_size_that_holds_it(tiny):
                     max_blocks_per_seq=8)
     graphs = runner.decode_graphs
     assert graphs.sizes == (1, 2, 4, 8, 16, 20) and graphs.capture is None and not graphs.graphs
-    assert [graphs.size_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20, 21)] == [1, 2, 4, 4, 8, 8, 16, 16, 20, 20,
+    assert [graphs.size_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20, 21)] == [1, 2, 4, 4, 8, 8,
+                                                                                   16, 16, 20, 20,
                                                                                     None]
     # the padding rows' blocks come after the pool's: 20 rows at 4 slots a block
     assert runner.kv_caches[0][0].shape[0] == NUM_BLOCKS + 5
 
 
 def test_no_graphs_off_cuda_unless_eager(tiny):
-    assert Runner(tiny.model, NUM_BLOCKS, BLOCK, torch.float32, cuda_graphs="on", max_rows=8).decode_graphs is None
+    assert Runner(tiny.model, NUM_BLOCKS, BLOCK, torch.float32, cuda_graphs="on",
+                  max_rows=8).decode_graphs is None
     cpu_runner = Runner(tiny.model, NUM_BLOCKS, BLOCK, torch.float32)
     assert cpu_runner.decode_graphs is None and cpu_runner.kv_caches[0][0].shape[0] == NUM_BLOCKS
     with pytest.raises(ValueError, match="cuda_graphs must be one of on, off, eager"):
@@ -60,7 +62,8 @@ class Steps:
         for row, prompt in enumerate(prompts):
             self.token_ids[row, :len(prompt)] = prompt
         # blocks out of order, each row its own, all inside the pool (at most 8 rows)
-        self.block_table = np.arange(len(prompts) * 8, dtype=np.int32).reshape(len(prompts), 8)[:, ::-1].copy()
+        self.block_table = np.arange(len(prompts) * 8, dtype=np.int32).reshape(len(prompts),
+                                                                               8)[:, ::-1].copy()
 
     def prefill(self, runner):
         rows = np.arange(len(self.lens))
@@ -69,8 +72,8 @@ class Steps:
 
     def decode(self, runner, rows):
         rows = np.asarray(rows)
-        return runner.prepare(self.token_ids, self.block_table, rows, self.lens[rows], np.ones(len(rows), dtype=np.int64),
-                              np.ones(len(rows), dtype=bool))
+        return runner.prepare(self.token_ids, self.block_table, rows, self.lens[rows],
+                              np.ones(len(rows), dtype=np.int64), np.ones(len(rows), dtype=bool))
 
     def append(self, rows, logits):
         rows = np.asarray(rows)
@@ -172,7 +175,8 @@ def test_engine_outputs_are_identical_and_every_padded_token_is_counted(tiny, co
     finished = [e for e in events if isinstance(e, ev.StepFinished)]
     plain_finished = [e for e in plain_events if isinstance(e, ev.StepFinished)]
     # the same steps computed the same actual tokens; the padding is counted beside them, never in them
-    assert [(s.num_rows, s.num_tokens) for s in finished] == [(s.num_rows, s.num_tokens) for s in plain_finished]
+    assert [(s.num_rows, s.num_tokens) for s in finished] == [(s.num_rows,
+                                                               s.num_tokens) for s in plain_finished]
     assert not any(s.num_padded_tokens for s in plain_finished)
     graphs = engine.runner.decode_graphs
     for step in finished:
@@ -181,7 +185,8 @@ def test_engine_outputs_are_identical_and_every_padded_token_is_counted(tiny, co
         assert step.num_padded_tokens == expected_padding, step
     assert sum(s.num_padded_tokens for s in finished) > 0
     if config.get("long_prefill_token_threshold") == 1:
-        # one token a row every step: prompts and recomputes through the graphs' buffers too, rows that do not sample
+        # one token a row every step: prompts and recomputes through the graphs' buffers too, rows
+        # that do not sample
         assert all(s.num_padded_tokens or s.num_rows in graphs.sizes for s in finished)
         assert any(len(s.sampled_request_ids) < s.num_rows for s in finished)
         assert any(isinstance(e, ev.RequestPreempted) for e in events), "the small pool was meant to preempt"

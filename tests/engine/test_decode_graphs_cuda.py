@@ -39,9 +39,12 @@ def test_graphs_are_captured_at_start_and_reported(tiny):
     graphs = engine.runner.decode_graphs
     assert graphs.sizes == capture_sizes(32) == (1, 2, 4, 8, 16, 24, 32)
     assert set(graphs.graphs) == set(graphs.sizes)
-    assert graphs.capture.sizes == graphs.sizes and graphs.capture.memory_bytes > 0 and graphs.capture.seconds > 0
+    assert graphs.capture.sizes == graphs.sizes
+    assert graphs.capture.memory_bytes > 0
+    assert graphs.capture.seconds > 0
     from batchtop.tui.sources import _device_name
-    assert _device_name(engine).startswith("cuda:0 (7 CUDA graphs for 1-32 rows, "), "the dashboard header's device"
+    header_device = _device_name(engine)
+    assert header_device.startswith("cuda:0 (7 CUDA graphs for 1-32 rows, "), "the dashboard header's device"
     assert cuda_engine(tiny, "off").runner.decode_graphs is None
 
 
@@ -59,11 +62,13 @@ def test_outputs_with_graphs_equal_outputs_without(tiny, dtype, config, monkeypa
         engine = cuda_engine(loaded, mode, dtype, sink=events.append, **config)
         if mode == "on":
             # after the capture every step that fits a graph replays it: the eager forward must not run
-            monkeypatch.setattr(engine.runner.decode_graphs, "_forward", lambda inputs: pytest.fail("eager forward"))
+            monkeypatch.setattr(engine.runner.decode_graphs, "_forward",
+                                lambda inputs: pytest.fail("eager forward"))
         outputs[mode] = [c.token_ids for c in engine.generate(prompts, params)]
         padded = sum(e.num_padded_tokens for e in events if isinstance(e, ev.StepFinished))
         assert (padded > 0) == (mode != "off")
-    assert outputs["on"] == outputs["eager"], "a replay computes what the eager forward over the same buffers does"
+    # a replay computes what the eager forward over the same buffers does
+    assert outputs["on"] == outputs["eager"]
     if dtype == "float32":
         assert outputs["on"] == outputs["off"]
     else:
@@ -78,7 +83,8 @@ def test_no_device_to_host_copy_inside_a_step_but_the_sampled_tokens(tiny):
     debug mode set to error: any read-back (.item(), .tolist(), a blocking copy) raises."""
     engine = cuda_engine(tiny, "on")
     runner = engine.runner
-    ids = [engine.add_request([7 + i] * (5 + 3 * i), SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
+    ids = [engine.add_request([7 + i] * (5 + 3 * i),
+                              SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
     checked = {"graph": 0, "eager": 0}
     prepare, forward = runner.prepare, runner.forward
 
@@ -107,6 +113,7 @@ def test_a_replayed_step_reads_its_inputs_from_the_same_buffers(tiny):
     buffers = engine.runner.decode_graphs.buffers
     addresses = (buffers.tokens.data_ptr(), buffers.seq_lens.data_ptr(), buffers.block_table.data_ptr())
     engine.generate([[3, 4, 5], [6] * 20, [9] * 7], SamplingParams(max_tokens=6, ignore_eos=True))
-    assert (buffers.tokens.data_ptr(), buffers.seq_lens.data_ptr(), buffers.block_table.data_ptr()) == addresses
+    assert (buffers.tokens.data_ptr(), buffers.seq_lens.data_ptr(),
+            buffers.block_table.data_ptr()) == addresses
     host = buffers._host_tokens
     assert host.is_pinned() and np.array_equal(buffers.tokens.cpu().numpy(), host.numpy())

@@ -22,20 +22,24 @@ PROMPTS = [[5, 9, 200], list(range(300, 317)), [7] * 9, list(range(1000, 1033, 3
 
 
 def run_two_steps(model):
-    """Logits of every prompt's last token (one prefill step), then of one more token each (one decode step)."""
+    """Logits of every prompt's last token (one prefill step), then of one more token each (one decode
+    step)."""
     runner = Runner(model, num_blocks=64, block_size=BLOCK, dtype=torch.float32)
     rows = len(PROMPTS)
     width = max(map(len, PROMPTS)) + 1
     token_ids = np.zeros((rows, width), dtype=np.int64)
     for row, prompt in enumerate(PROMPTS):
         token_ids[row, :len(prompt)] = prompt
-    block_table = np.arange(rows * 16, dtype=np.int32).reshape(rows, 16)[:, ::-1].copy()   # blocks out of order
+    # blocks out of order
+    block_table = np.arange(rows * 16, dtype=np.int32).reshape(rows, 16)[:, ::-1].copy()
     slots = np.arange(rows)
     lens = np.array([len(p) for p in PROMPTS])
     samples = np.ones(rows, dtype=bool)
-    prefill = runner.forward(runner.prepare(token_ids, block_table, slots, np.zeros(rows, dtype=np.int64), lens, samples))
+    prefill = runner.forward(runner.prepare(token_ids, block_table, slots, np.zeros(rows, dtype=np.int64),
+                                            lens, samples))
     token_ids[slots, lens] = prefill.argmax(-1).numpy()
-    decode = runner.forward(runner.prepare(token_ids, block_table, slots, lens, np.ones(rows, dtype=np.int64), samples))
+    decode = runner.forward(runner.prepare(token_ids, block_table, slots, lens,
+                                           np.ones(rows, dtype=np.int64), samples))
     return runner, prefill, decode, [list(token_ids[r, :lens[r] + 1]) for r in range(rows)]
 
 
@@ -73,7 +77,8 @@ def test_fused_forward_matches_transformers(tiny, monkeypatch, prompt_attention)
         monkeypatch.setattr(runner_module, "TOKEN_ROWS_MAX_QUERY", max(map(len, PROMPTS)) - 1)
     prompt_calls = []
     sdpa_prompt = attention_torch._prefill_attention
-    monkeypatch.setattr(attention_torch, "_prefill_attention", lambda *a: prompt_calls.append(1) or sdpa_prompt(*a))
+    monkeypatch.setattr(attention_torch, "_prefill_attention",
+                        lambda *a: prompt_calls.append(1) or sdpa_prompt(*a))
     runner = assert_matches_transformers(tiny)
     assert bool(prompt_calls) == sdpa
     assert isinstance(runner.flat_forward.ops, FusedCpuOps)
@@ -89,8 +94,9 @@ def test_forward_on_transformers_modules_matches_transformers(tiny, monkeypatch)
 
 
 def test_other_architectures_run_transformers_forward_with_paged_attention():
-    config = transformers.Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = transformers.Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256)
     with torch.random.fork_rng():
         torch.manual_seed(3)
         model = transformers.Qwen2ForCausalLM(config).eval()
@@ -102,9 +108,9 @@ def test_other_architectures_run_transformers_forward_with_paged_attention():
 
 
 def small_llama(**overrides):
-    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=False, **overrides)
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=False, **overrides)
     with torch.random.fork_rng():
         torch.manual_seed(5)
         model = transformers.LlamaForCausalLM(config).eval()

@@ -15,11 +15,12 @@ CHAT_PROMPTS = [
     "Hi!",
     "What is the capital of France?",
     "Write a haiku about autumn leaves falling in a quiet park.",
-    "Explain how a hash table handles collisions, with an example using chaining and one using open addressing.",
+    "Explain how a hash table handles collisions, with an example using chaining and one using open "
+    "addressing.",
     "List three fruits.",
     "Translate 'good morning, how are you today?' into Spanish and French, and say which words differ most.",
-    "Why do cats purr? Give a short answer that a child could understand, and then a longer answer for an adult "
-    "who knows some biology, mentioning the larynx and the diaphragm.",
+    "Why do cats purr? Give a short answer that a child could understand, and then a longer answer for an "
+    "adult who knows some biology, mentioning the larynx and the diaphragm.",
     "2+2=?",
     "Describe the water cycle in four steps.",
 ]
@@ -31,7 +32,8 @@ def hf_greedy(model, prompts_ids, max_new_tokens):
     with torch.inference_mode():
         for ids in prompts_ids:
             out = model.generate(torch.tensor([ids], device=model.device),
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                           device=model.device),
                                  max_new_tokens=max_new_tokens, do_sample=False)
             outputs.append(out[0, len(ids):].tolist())
     return outputs
@@ -40,8 +42,9 @@ def hf_greedy(model, prompts_ids, max_new_tokens):
 @pytest.fixture(scope="module")
 def smollm2_reference():
     reference = load_model("smollm2")
-    prompts = [reference.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                       tokenize=True, return_dict=False) for p in CHAT_PROMPTS]
+    prompts = [reference.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                       add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False) for p in CHAT_PROMPTS]
     return prompts, hf_greedy(reference.model, prompts, MAX_TOKENS)
 
 
@@ -75,7 +78,8 @@ def test_smollm2_matches_transformers_generate(smollm2, smollm2_reference, confi
     if cpu.amx_available():
         assert max(rows) >= cpu.AMX_MIN_ROWS > min(rows), "steps on the AMX tile unit and on the FMA path"
     if "num_kv_blocks" in config:
-        assert sum(c.num_preemptions for c in completions) > 0, "the small pool was meant to force preemptions"
+        num_preemptions = sum(c.num_preemptions for c in completions)
+        assert num_preemptions > 0, "the small pool was meant to force preemptions"
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C++ build")
@@ -85,7 +89,7 @@ def test_smollm2_runs_on_its_gguf_blocks(smollm2):
     flat = flat_forward_for(smollm2.model)
     linears = [linear for layer in flat.layers for linear in layer.linears] + [flat.lm_head]
     assert all(linear.packed.scale is not None for linear in linears)
-    fp32_bytes = 4 * sum(p.numel() for m in smollm2.model.modules() if isinstance(m, torch.nn.Linear) for p in [m.weight])
+    fp32_bytes = 4 * sum(m.weight.numel() for m in smollm2.model.modules() if isinstance(m, torch.nn.Linear))
     assert sum(linear.packed.nbytes for linear in linears) < fp32_bytes / 3
     down = smollm2.model.model.layers[5].mlp.down_proj.weight
     identity = torch.eye(down.shape[1])

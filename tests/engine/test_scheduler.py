@@ -99,7 +99,8 @@ def test_running_requests_are_served_first_and_keep_their_decode_token():
 
 def test_chunk_sizes_follow_budget_arithmetic():
     kv = KVCacheManager(num_blocks=100, block_size=16)
-    sched = Scheduler(SchedulerKnobs(max_num_seqs=8, max_num_batched_tokens=20, long_prefill_token_threshold=8), kv)
+    sched = Scheduler(SchedulerKnobs(max_num_seqs=8, max_num_batched_tokens=20,
+                                     long_prefill_token_threshold=8), kv)
     a, b, c = make_request("a", 30, 5), make_request("b", 6, 5), make_request("c", 30, 5)
     for r in (a, b, c):
         sched.add(r)
@@ -137,7 +138,8 @@ def test_preemption_picks_latest_arrival_requeues_at_front_and_admits_nobody():
     plan = sched.schedule()
     fake_update(sched, plan, [])                 # a and b hold one full block each and have one token
     sched.add(make_request("late", 2, 2))
-    plan = sched.schedule()                      # each needs a 2nd block: 2 free -> fits, late waits for budget? no: admitted
+    # each needs a 2nd block: 2 free -> fits, late waits for budget? no: admitted
+    plan = sched.schedule()
     fake_update(sched, plan, [])
     # keep going until the pool runs dry while a and b grow
     while not any(p for p in plan.preempted):
@@ -202,18 +204,23 @@ def step_with_tokens(sched: Scheduler, token_ids, now=1.0):
 
 def test_update_from_output_stops_on_eos_stop_ids_and_max_tokens():
     kv = KVCacheManager(num_blocks=16, block_size=4)
-    sched = Scheduler(SchedulerKnobs(max_num_seqs=8, max_num_batched_tokens=64), kv, eos_token_ids=frozenset({2}))
+    sched = Scheduler(SchedulerKnobs(max_num_seqs=8, max_num_batched_tokens=64), kv,
+                      eos_token_ids=frozenset({2}))
     params = {"eos": SamplingParams(max_tokens=5), "ignore": SamplingParams(max_tokens=5, ignore_eos=True),
-              "stop_id": SamplingParams(max_tokens=5, stop_token_ids=(9,)), "length": SamplingParams(max_tokens=1)}
+              "stop_id": SamplingParams(max_tokens=5, stop_token_ids=(9,)),
+              "length": SamplingParams(max_tokens=1)}
     for rid, sampling in params.items():
         sched.add(Request(rid, [5, 6, 7], sampling, 0.0, arrival_seq=next(_seq)))
     plan, result = step_with_tokens(sched, [2, 2, 9, 3], now=1.5)
     assert [(s.request.request_id, s.token_id, s.first, s.finish_reason) for s in result.sampled] == [
-        ("eos", 2, True, "stop"), ("ignore", 2, True, None), ("stop_id", 9, True, "stop"), ("length", 3, True, "length")]
+        ("eos", 2, True, "stop"), ("ignore", 2, True, None), ("stop_id", 9, True, "stop"), ("length", 3,
+                                                                                            True, "length")]
     assert [(c.request_id, c.num_tokens, c.num_computed_tokens, c.num_known_tokens, c.recompute)
             for c in result.chunks] == [(rid, 3, 3, 3, False) for rid in params]
     ignore = plan.rows[1].request
-    assert ignore.output_token_ids == [2] and ignore.first_token_time == 1.5 and ignore.num_computed_tokens == 3
+    assert ignore.output_token_ids == [2]
+    assert ignore.first_token_time == 1.5
+    assert ignore.num_computed_tokens == 3
     assert [r.request_id for r in sched.running] == ["ignore"]
     assert kv.num_used_blocks == 1, "the retired requests' blocks are free"
     plan, result = step_with_tokens(sched, [4], now=2.0)
@@ -226,7 +233,8 @@ def test_update_from_output_stops_on_eos_stop_ids_and_max_tokens():
 def test_left_lists_aborts_of_running_requests_only_and_waits_for_a_step():
     """An abort between steps reaches the next plan that is a step; a waiting request had no row."""
     kv = KVCacheManager(num_blocks=16, block_size=4)
-    sched = Scheduler(SchedulerKnobs(4, 64, batching_mode="dynamic", static_batch_size=2, dynamic_timeout_s=60.0), kv)
+    sched = Scheduler(SchedulerKnobs(4, 64, batching_mode="dynamic", static_batch_size=2,
+                                     dynamic_timeout_s=60.0), kv)
     a, b, c, d, e = (make_request(rid, 4, 4) for rid in "abcde")
     for request in (a, b, e):
         sched.add(request)
@@ -240,7 +248,8 @@ def test_left_lists_aborts_of_running_requests_only_and_waits_for_a_step():
     assert not plan.is_step and not plan.left
     sched.add(d)
     plan = sched.schedule(3.0)
-    assert plan.admitted == [c, d] and [(g.request, g.reason) for g in plan.left] == [(a, "abort"), (b, "error")]
+    assert plan.admitted == [c,
+                             d] and [(g.request, g.reason) for g in plan.left] == [(a, "abort"), (b, "error")]
     assert a.finish_time == 1.1 and kv.num_blocks_held("a") == 0
 
 

@@ -69,13 +69,15 @@ def test_folded_state_equals_the_engines_after_every_step(tiny, layout):
             late = BatchState(synced=False)
             engine.emit_snapshot("subscribe")
         if step == 400:
-            events.insert(len(events) // 2 + len(events) // 4, None)    # marks where the late consumer loses some
+            # marks where the late consumer loses some
+            events.insert(len(events) // 2 + len(events) // 4, None)
         engine.step()
         batch, events[:] = [e for e in events if e is not None], []
         full.feed(batch)
         if late is not None:
             if step == 400:
-                late.feed([ev.EventsDropped(step=step, t=0.0, count=len(batch) // 2)] + batch[len(batch) // 2:])
+                late.feed([ev.EventsDropped(step=step, t=0.0, count=len(batch) // 2)]
+                          + batch[len(batch) // 2:])
                 assert not late.synced
             else:
                 late.feed(batch)

@@ -44,7 +44,8 @@ def test_one_launch_serves_the_ragged_step(lengths, group, dtype):
     out = kernels.paged_attention(case.query, case.k_cache, case.v_cache, meta, case.scale)
     assert out.device.type == "cuda" and out.dtype == dtype
     tolerance = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float().cpu(), dense_reference(on_cpu).float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(out.float().cpu(), dense_reference(on_cpu).float(), atol=tolerance,
+                               rtol=tolerance)
     # the new K/V landed at their slots; every slot no sequence owns still holds the sentinel
     flat_k = case.k_cache.flatten(0, 1).cpu()
     torch.testing.assert_close(flat_k[case.slot_mapping.long().cpu()], case.key.cpu())

@@ -42,7 +42,8 @@ def test_cpu_kernel_reads_nothing_past_seq_len():
     v_cache = torch.randn_like(k_cache)
     query = torch.randn(1, 2, 8)
     block_table = torch.tensor([[2, 0]], dtype=torch.int32)
-    before = cpu.paged_decode(query, k_cache, v_cache, block_table, torch.tensor([20], dtype=torch.int32), 0.3)
+    before = cpu.paged_decode(query, k_cache, v_cache, block_table,
+                              torch.tensor([20], dtype=torch.int32), 0.3)
     k_cache[0, 4:] = float("nan")            # positions 20.. of the row, and blocks it does not own
     v_cache[0, 4:] = float("nan")
     k_cache[1], v_cache[3] = float("nan"), float("nan")
@@ -52,16 +53,19 @@ def test_cpu_kernel_reads_nothing_past_seq_len():
 
 def test_decode_kernel_reads_a_query_with_a_row_stride():
     k_cache, v_cache = torch.randn(6, 16, 2, 8), torch.randn(6, 16, 2, 8)
-    fused = torch.randn(3, (4 + 2 + 2) * 8)                 # q/k/v side by side, as the fused projection gives
+    # q/k/v side by side, as the fused projection gives
+    fused = torch.randn(3, (4 + 2 + 2) * 8)
     query = fused[:, :32].view(3, 4, 8)
     block_table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
     seq_lens = torch.tensor([5, 17, 32], dtype=torch.int32)
     torch.testing.assert_close(cpu.paged_decode(query, k_cache, v_cache, block_table, seq_lens, 0.3),
-                               cpu.paged_decode(query.contiguous(), k_cache, v_cache, block_table, seq_lens, 0.3))
+                               cpu.paged_decode(query.contiguous(), k_cache, v_cache, block_table,
+                                                seq_lens, 0.3))
 
 
 # (100, 4096): the kernel's row blocks are 64 rows at K=4096, so 130 rows are three blocks
-@pytest.mark.parametrize("out_features, in_features", [(960, 576), (48, 7), (50, 33), (1, 5), (97, 64), (3072, 576),
+@pytest.mark.parametrize("out_features, in_features",
+                         [(960, 576), (48, 7), (50, 33), (1, 5), (97, 64), (3072, 576),
                                                        (100, 4096)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 130])
 def test_packed_linear_matches_f_linear(rows, out_features, in_features):
@@ -93,7 +97,8 @@ def gguf_weight(out_features: int, in_features: int, seed: int, q8_rows: bool = 
     scale = (torch.rand(shape, generator=g) * 0.02).half().float()
     minimum = (-torch.rand(shape, generator=g) * 0.15).half().float()
     q4 = torch.randint(0, 16, (*shape[:2], cpu.BLOCK), generator=g).float()
-    q4[..., 0], q4[..., 1] = 0, 15                           # the block's minimum and maximum, as Q4_1 quantises
+    # the block's minimum and maximum, as Q4_1 quantises
+    q4[..., 0], q4[..., 1] = 0, 15
     q8 = torch.randint(-127, 128, (*shape[:2], cpu.BLOCK), generator=g).float()
     q8[..., 0] = 127
     is_q8 = (torch.arange(out_features).view(-1, 1, 1) % 3 == 2) & q8_rows
@@ -104,8 +109,8 @@ def gguf_weight(out_features: int, in_features: int, seed: int, q8_rows: bool = 
 @pytest.mark.parametrize("q8_rows", [False, True], ids=["Q4_1: nibbles", "Q4_1 and Q8_0: int8"])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (50, 64), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 130])
-def test_a_weight_in_gguf_blocks_is_packed_as_blocks_with_the_fp32_result_bit_for_bit(rows, out_features, in_features,
-                                                                                       q8_rows):
+def test_a_weight_in_gguf_blocks_is_packed_as_blocks_with_the_fp32_result_bit_for_bit(
+        rows, out_features, in_features, q8_rows):
     weight = gguf_weight(out_features, in_features, seed=rows, q8_rows=q8_rows)
     packed, fp32 = cpu.pack_linear(weight), cpu.pack_linear(weight, blocks=False)
     assert packed.scale is not None
@@ -115,7 +120,8 @@ def test_a_weight_in_gguf_blocks_is_packed_as_blocks_with_the_fp32_result_bit_fo
         assert packed.panels.shape[-1] == cpu.PANEL // 2 and packed.nbytes < fp32.nbytes / 5
     x = torch.randn(rows, in_features)
     out = cpu.packed_linear(x, packed, amx_min_rows=None)
-    assert torch.equal(out, cpu.packed_linear(x, fp32)), "the blocks decode to the same weights, summed in the same order"
+    same = cpu.packed_linear(x, fp32)
+    assert torch.equal(out, same), "the blocks decode to the same weights, summed in the same order"
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-4 * in_features ** 0.5, rtol=1e-5)
 
 
@@ -129,14 +135,16 @@ def max_error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> float
 @needs_amx
 @pytest.mark.parametrize("q8_rows", [False, True], ids=["Q4_1: nibbles", "Q4_1 and Q8_0: int8"])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (50, 64), (576, 1536)])
-# 1, 17: partial row tiles; 130 at K=1536 and 300 at K=576: more rows than one row block (tiles converted up front)
+# 1, 17: partial row tiles; 130 at K=1536 and 300 at K=576: more rows than one row block
+# (tiles converted up front)
 @pytest.mark.parametrize("rows", [1, 17, 24, 64, 130, 300])
 def test_the_tile_unit_product_is_as_accurate_as_the_fma_path(rows, out_features, in_features, q8_rows):
     weight = gguf_weight(out_features, in_features, seed=rows + 7, q8_rows=q8_rows)
     packed = cpu.pack_linear(weight)
     # x over many binades: its three bf16 parts must carry all 24 bits of every value
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, in_features, generator=g) * 2.0 ** torch.randint(-30, 30, (rows, in_features), generator=g)
+    x = torch.randn(rows, in_features, generator=g) * 2.0 ** torch.randint(-30, 30,
+                                                                           (rows, in_features), generator=g)
     tiles, fma = cpu.packed_linear(x, packed, amx_min_rows=1), cpu.packed_linear(x, packed, amx_min_rows=None)
     assert not torch.equal(tiles, fma), "another summation order: the tile path ran"
     assert max_error(tiles, x, weight) <= 1.5 * max_error(fma, x, weight)
@@ -159,7 +167,8 @@ def test_the_blocks_decode_to_the_weight_exactly(q8_rows):
     # x = identity: out[m, n] = 1 * w[n, m] plus zeros, so the output is the decoded weight, transposed
     assert torch.equal(cpu.packed_linear(torch.eye(96), cpu.pack_linear(weight)).T, weight)
     q, scale, offset = cpu.exact_blocks(weight)
-    assert q.abs().max() == (127 if q8_rows else 15) and torch.equal(scale.repeat_interleave(cpu.BLOCK, 1) * q + offset.repeat_interleave(cpu.BLOCK, 1), weight)
+    decoded = scale.repeat_interleave(cpu.BLOCK, 1) * q + offset.repeat_interleave(cpu.BLOCK, 1)
+    assert q.abs().max() == (127 if q8_rows else 15) and torch.equal(decoded, weight)
 
 
 def test_a_weight_almost_in_block_form_keeps_fp32_panels():
@@ -183,7 +192,8 @@ def test_add_rms_norm_is_llama_rms_norm_of_the_updated_residual(tokens):
         got = cpu.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)
         torch.testing.assert_close(hidden, want_hidden, atol=0, rtol=0)          # updated in place, exactly
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(cpu.add_rms_norm(hidden, None, norm.weight, 1e-5), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cpu.add_rms_norm(hidden, None, norm.weight, 1e-5), want,
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_rope_and_cache_rotates_like_transformers_and_stores_k_and_v():
@@ -194,8 +204,8 @@ def test_rope_and_cache_rotates_like_transformers_and_stores_k_and_v():
     angles = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)
     cos, sin = angles.cos(), angles.sin()
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    want_q, want_k = apply_rotary_pos_emb(q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim), cos, sin,
-                                          unsqueeze_dim=1)
+    want_q, want_k = apply_rotary_pos_emb(q.reshape(tokens, heads, dim),
+                                          k.reshape(tokens, kv_heads, dim), cos, sin, unsqueeze_dim=1)
     want_v = v.reshape(tokens, kv_heads, dim).clone()
     k_cache, v_cache = torch.zeros(5, block_size, kv_heads, dim), torch.zeros(5, block_size, kv_heads, dim)
     slot_mapping = torch.tensor([19, 0, 7, 8, 3, 12, 13])
@@ -205,7 +215,8 @@ def test_rope_and_cache_rotates_like_transformers_and_stores_k_and_v():
     torch.testing.assert_close(v_cache.view(-1, kv_heads, dim)[slot_mapping], want_v, atol=0, rtol=0)
     untouched = torch.ones(20, dtype=torch.bool)
     untouched[slot_mapping] = False
-    assert k_cache.view(20, -1)[untouched].abs().sum() == 0 and v_cache.view(20, -1)[untouched].abs().sum() == 0
+    assert k_cache.view(20, -1)[untouched].abs().sum() == 0 and v_cache.view(20,
+                                                                             -1)[untouched].abs().sum() == 0
 
 
 @pytest.mark.parametrize("tokens", [1, 33])

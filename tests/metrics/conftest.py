@@ -1,7 +1,7 @@
 """Fixtures of the /metrics tests: expositions served over HTTP, and one stock vLLM per session.
 
-The stock vLLM (no batchtop scheduler class) starts eager (~25 s here), one OpenMP thread, with a small KV pool
-(6 blocks of 128 tokens, max_model_len 512, 8 rows) so a short load makes requests wait.
+The stock vLLM (no batchtop scheduler class) starts eager (~25 s here), one OpenMP thread, with a
+small KV pool (6 blocks of 128 tokens, max_model_len 512, 8 rows) so a short load makes requests wait.
 Its whole process group is stopped at the end of the session.
 """
 from __future__ import annotations

@@ -17,12 +17,14 @@ def test_vllm_snapshot_reads_gauges_pool_and_counters():
     assert snapshot.kv_usage == pytest.approx(0.8)
     assert (snapshot.kv_blocks_total, snapshot.block_size, snapshot.kv_blocks_used) == (6, 128, 5)
     assert snapshot.counters["generation_tokens"] == 13
-    assert snapshot.histograms["step_tokens"].count == 7          # a histogram, though its name ends in _total
+    # a histogram, though its name ends in _total
+    assert snapshot.histograms["step_tokens"].count == 7
     assert snapshot.finished == {"stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0}
 
 
 def test_vllm_interval_over_a_drained_load():
-    busy, drained = parse_exposition(vllm_fixture("busy"), 1.0), parse_exposition(vllm_fixture("drained"), 21.0)
+    busy, drained = parse_exposition(vllm_fixture("busy"),
+                                     1.0), parse_exposition(vllm_fixture("drained"), 21.0)
     interval = derive(busy.engines[ENGINE], drained.engines[ENGINE], t=21.0, dt=20.0)
     assert not interval.reset
     assert interval.steps == 193 - 7
@@ -38,7 +40,8 @@ def test_vllm_interval_over_a_drained_load():
 
 
 def test_counter_reset_is_detected_not_a_negative_rate():
-    drained, busy = parse_exposition(vllm_fixture("drained"), 1.0), parse_exposition(vllm_fixture("busy"), 2.0)
+    drained, busy = parse_exposition(vllm_fixture("drained"),
+                                     1.0), parse_exposition(vllm_fixture("busy"), 2.0)
     interval = derive(drained.engines[ENGINE], busy.engines[ENGINE], t=2.0, dt=1.0)   # the server restarted
     assert interval.reset
     assert interval.generation_tokens == 13 and interval.steps == 7 and interval.admitted == 2
@@ -53,7 +56,8 @@ def test_missing_series_stay_unknown():
                    "vllm:num_requests_waiting", "vllm:num_preemptions")
     earlier = parse_exposition(text, 1.0).engines[ENGINE]
     later = parse_exposition(without(vllm_fixture("drained"), "vllm:iteration_tokens_total",
-                                     "vllm:num_requests_waiting", "vllm:num_preemptions"), 2.0).engines[ENGINE]
+                                     "vllm:num_requests_waiting", "vllm:num_preemptions"),
+                                     2.0).engines[ENGINE]
     assert earlier.waiting is None and earlier.waiting_by_reason == {} and earlier.kv_blocks_total is None
     assert earlier.kv_blocks_used is None and earlier.kv_usage == pytest.approx(0.8)
     interval = derive(earlier, later, t=2.0, dt=1.0)
@@ -78,8 +82,9 @@ def test_sglang_names_map_onto_the_same_view():
     assert (snapshot.running, snapshot.waiting) == (3, 5)                  # tp_rank 1's copy is dropped
     assert (snapshot.kv_usage, snapshot.kv_blocks_total, snapshot.block_size) == (0.25, 40000, 1)
     assert snapshot.kv_blocks_used == 10000 and snapshot.gen_throughput == 123
-    later = parse_exposition(sglang_exposition(requests=14, aborted=2, generation_tokens=900, prompt_tokens=1400,
-                                               cached_tokens=300, retracted=5, ttft=(0.15, 0.3, 0.3, 2.5, 0.5, 0.5)),
+    later = parse_exposition(sglang_exposition(requests=14, aborted=2, generation_tokens=900,
+                                               prompt_tokens=1400, cached_tokens=300, retracted=5,
+                                               ttft=(0.15, 0.3, 0.3, 2.5, 0.5, 0.5)),
                              3.0).engines["qwen"]
     interval = derive(snapshot, later, t=3.0, dt=2.0)
     assert interval.retired == 4 and interval.retired_by_reason == {"abort": 1}

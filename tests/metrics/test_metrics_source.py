@@ -24,7 +24,8 @@ def test_detects_vllm_and_sglang(text_server):
     assert detect(text_server({"/metrics": (200, vllm_fixture("busy"))}).url) == "vllm"
     assert detect(text_server({"/metrics": (200, sglang_exposition())}).url) == "sglang"
     # vLLM with --api-key guards /v1/* but not /metrics
-    assert detect(text_server({"/v1/knobs": (401, "{}"), "/metrics": (200, vllm_fixture("busy"))}).url) == "vllm"
+    assert detect(text_server({"/v1/knobs": (401, "{}"),
+                               "/metrics": (200, vllm_fixture("busy"))}).url) == "vllm"
 
 
 @pytest.mark.parametrize("routes, says", [

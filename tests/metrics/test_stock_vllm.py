@@ -32,7 +32,8 @@ def raw_values(text: str) -> dict[str, float]:
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            if sample.name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                               "vllm:kv_cache_usage_perc"):
                 values[sample.name] = sample.value
             elif sample.name == "vllm:cache_config_info":
                 values["num_gpu_blocks"] = float(sample.labels["num_gpu_blocks"])

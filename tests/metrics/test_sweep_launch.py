@@ -30,7 +30,8 @@ def test_a_server_that_does_not_start_is_reported_and_the_sweep_goes_on(tmp_path
     points = json.loads(out.read_text())
     assert [p["max_num_seqs"] for p in points] == [1, 2]
     for p in points:
-        assert "exited with status 3" in p["error"] and f"no server for {p['max_num_seqs']} seqs" in p["log_tail"]
+        assert "exited with status 3" in p["error"]
+        assert f"no server for {p['max_num_seqs']} seqs" in p["log_tail"]
         assert not p["left_running"] and group_gone(p["server_pgid"])
         assert f"no server for {p['max_num_seqs']} seqs" in printed
 

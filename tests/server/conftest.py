@@ -9,7 +9,8 @@ from batchtop.engine.core.config import EngineConfig
 
 @pytest.fixture(scope="session")
 def engine_config():
-    return EngineConfig(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
+    return EngineConfig(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN,
+                        max_num_seqs=32)
 
 
 @pytest.fixture(scope="session")

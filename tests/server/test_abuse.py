@@ -10,8 +10,8 @@ FLOOD = 2000
 
 def test_abuse_cases_get_4xx_never_5xx(keyed):
     server, thread = keyed
-    report = run_cases(thread.url, API_KEY, server.model_name, server.engine.max_model_len, server.max_body_bytes,
-                       flood=FLOOD)
+    report = run_cases(thread.url, API_KEY, server.model_name, server.engine.max_model_len,
+                       server.max_body_bytes, flood=FLOOD)
     print(report.text())
     assert report.problems == [] and report.num_5xx == 0
     assert len(report.cases) == 9 and report.num_requests > FLOOD + 100

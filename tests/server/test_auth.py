@@ -13,7 +13,8 @@ from batchtop.tui.cli import main
 ENDPOINTS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/knobs"),
              ("POST", "/v1/knobs"), ("POST", "/v1/pause"), ("POST", "/v1/resume"), ("POST", "/v1/step"),
              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/events"),
-             ("POST", "/v1/requests/r1/abort"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/nothing")]
+             ("POST", "/v1/requests/r1/abort"), ("GET", "/openapi.json"), ("GET", "/docs"),
+             ("GET", "/nothing")]
 
 
 @pytest.mark.parametrize("method, path", ENDPOINTS)

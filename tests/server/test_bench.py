@@ -66,7 +66,8 @@ def test_bench_cli_saves_result(base_url, tmp_path, capsys):
 
 def test_sharegpt_dataset_and_pacing(tmp_path, served):
     data = [{"conversations": [{"from": "human", "value": "Tell me about the sea and its many moods."},
-                               {"from": "gpt", "value": "The sea is calm, then wild, then calm again, always."}]},
+                               {"from": "gpt",
+                                "value": "The sea is calm, then wild, then calm again, always."}]},
             {"conversations": [{"from": "human", "value": "hi"}]}]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data))

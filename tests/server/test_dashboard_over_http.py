@@ -12,9 +12,11 @@ from batchtop.tui.remote_source import RemoteSource
 
 def test_dashboard_follows_server_and_pauses_it(served):
     from batchtop.tui.app import BatchtopApp
-    server = BatchtopServer(served[0].loop, served[0].subscription._bus)    # its own front: its pause is its own
+    # its own front: its pause is its own
+    server = BatchtopServer(served[0].loop, served[0].subscription._bus)
     front = ServerThread(server).start()
-    httpx.post(front.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5}, timeout=30)
+    httpx.post(front.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5},
+               timeout=30)
 
     async def drive():
         app = BatchtopApp(source_factory=lambda: RemoteSource(front.url), loading_what=front.url, tick_s=None)

@@ -65,13 +65,15 @@ def test_unknown_model_is_404(http, path, body):
 
 @pytest.mark.parametrize("value", [0, -5])
 def test_max_tokens_below_one_is_400(http, value):
-    error = error_of(http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": value}), 400)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": value}
+    error = error_of(http.post("/v1/completions", json=body), 400)
     assert error["param"] == "max_tokens"
 
 
 def test_context_overflow_is_400_naming_lengths(http):
     prompt = list(range(1000, 1100))                    # 100 tokens
-    error = error_of(http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 200}), 400)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 200}
+    error = error_of(http.post("/v1/completions", json=body), 400)
     assert error["code"] == "context_length_exceeded"
     for number in ("100", "200", "300", str(MAX_MODEL_LEN)):
         assert number in error["message"]

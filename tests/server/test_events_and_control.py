@@ -39,7 +39,8 @@ def read_sse(url: str, *, headers=None, params=None, until=None, timeout: float 
 
 def generate(base_url: str, n: int = 2, max_tokens: int = 6) -> None:
     for _ in range(n):
-        r = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": max_tokens})
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": max_tokens}
+        r = httpx.post(base_url + "/v1/completions", json=body)
         assert r.status_code == 200
 
 
@@ -146,10 +147,11 @@ def test_metrics_names(served, base_url):
     generate(base_url, n=1)
     text = httpx.get(base_url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc",
-                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:inter_token_latency_seconds_bucket", "vllm:time_per_output_token_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "batchtop_kv_blocks_total", "batchtop_requests_running", "batchtop_preemptions_total"):
+                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "batchtop_kv_blocks_total",
+                 "batchtop_requests_running", "batchtop_preemptions_total"):
         assert f"\n{name}{{" in text, name
     assert '# TYPE vllm:time_to_first_token_seconds histogram' in text
     assert 'le="+Inf"' in text

@@ -47,8 +47,8 @@ def test_chat(client):
 def test_chat_stream(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True))
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages,
+                                                 max_tokens=10, temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == whole.choices[0].message.content
@@ -62,21 +62,23 @@ def test_seeded_sampling_is_reproducible(client):
 
 
 def test_stop_string_trims_and_stops(client):
-    base = client.completions.create(model="tiny", prompt="Count:", max_tokens=20, temperature=0).choices[0].text
+    base = client.completions.create(model="tiny", prompt="Count:", max_tokens=20,
+                                     temperature=0).choices[0].text
     stop = base[5:8]
     assert stop and base.find(stop) >= 0
     cut = base.find(stop)
     out = client.completions.create(model="tiny", prompt="Count:", max_tokens=20, temperature=0, stop=[stop])
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text == base[:cut]
-    streamed = client.completions.create(model="tiny", prompt="Count:", max_tokens=20, temperature=0, stop=stop,
-                                         stream=True)
+    streamed = client.completions.create(model="tiny", prompt="Count:", max_tokens=20,
+                                         temperature=0, stop=stop, stream=True)
     chunks = [c.choices[0] for c in streamed if c.choices]
     assert "".join(c.text for c in chunks) == base[:cut]
     assert chunks[-1].finish_reason == "stop"
 
 
 def test_token_id_prompt_and_batch_of_prompts(client):
-    out = client.completions.create(model="tiny", prompt=[[1, 2, 3, 4], [5, 6, 7]], max_tokens=3, temperature=0)
+    out = client.completions.create(model="tiny", prompt=[[1, 2, 3, 4], [5, 6, 7]],
+                                    max_tokens=3, temperature=0)
     assert [c.index for c in out.choices] == [0, 1]
     assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 6

@@ -38,7 +38,8 @@ def test_no_server_errors(fuzz_url):
     assert len(operations) >= 10
     failures = []
     for operation, mode in [(o, m) for o in operations for m in schemathesis.GenerationMode]:
-        @given(case=operation.as_strategy(generation_mode=mode), served_model=st.sampled_from([True, True, False]))
+        @given(case=operation.as_strategy(generation_mode=mode),
+               served_model=st.sampled_from([True, True, False]))
         @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         def fuzz(case, served_model):
@@ -52,5 +53,6 @@ def test_no_server_errors(fuzz_url):
         except Exception as error:          # collect every operation's failure, then report them all
             failures.append(f"{operation.label} ({mode.value}): {error}")
     assert not failures, "\n\n".join(failures)
-    assert server.loop.running, f"the engine thread died: {server.loop.error!r}"   # a 5xx-free run can still kill it
+    # a 5xx-free run can still kill it
+    assert server.loop.running, f"the engine thread died: {server.loop.error!r}"
     assert httpx.get(fuzz_url + "/health").status_code == 200

@@ -15,7 +15,8 @@ def test_bounded_server_soak(keyed):
     assert sum(report.outcomes.values()) == NUM_REQUESTS
     assert min(report.outcomes["cut"], report.outcomes["aborted"], report.outcomes["plain"]) >= 10
     # in flight at most what the clients have open; nothing kept once they are done
-    assert all(num_requests <= CONCURRENCY and pending <= CONCURRENCY for _, _, num_requests, pending, _ in report.samples)
+    assert all(num_requests <= CONCURRENCY and pending <= CONCURRENCY for _, _, num_requests, pending,
+               _ in report.samples)
     assert report.samples[-1][2:4] == (0, 0)
     engine = keyed[0].engine
     assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.requests

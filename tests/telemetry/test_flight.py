@@ -13,9 +13,10 @@ def steps(recorder, first: int, last: int, per_step: int = 3) -> None:
     for step in range(first, last + 1):
         for i in range(per_step - 1):
             recorder(FirstToken(step=step, t=step + i / 10, request_id=f"r{step}-{i}", ttft_s=0.1))
-        recorder(StepFinished(step=step, t=step + 0.5, num_rows=1, num_tokens=1, sampled_request_ids=(f"r{step}-0",),
-                              num_running=1, num_waiting=0, kv_blocks_used=2, kv_blocks_total=10, schedule_s=0,
-                              prepare_s=0, forward_s=0, sample_s=0, update_s=0))
+        recorder(StepFinished(step=step, t=step + 0.5, num_rows=1, num_tokens=1,
+                              sampled_request_ids=(f"r{step}-0",), num_running=1, num_waiting=0,
+                              kv_blocks_used=2, kv_blocks_total=10, schedule_s=0, prepare_s=0, forward_s=0,
+                              sample_s=0, update_s=0))
 
 
 def test_keeps_the_newest_steps_and_says_how_many_events_went():
@@ -46,9 +47,9 @@ def test_tee_forwards_every_event_and_keeps_it():
     seen = []
     recorder = FlightRecorder(max_steps=10)
     sink = recorder.tee(seen.append)
-    event = StepPlanned(step=1, t=0.0, prefill_tokens=1, recompute_tokens=0, decode_tokens=0, num_prefill_rows=1,
-                        num_recompute_rows=0, num_decode_rows=0, num_padding_rows=0, token_budget=8, num_running=1,
-                        num_waiting=0, kv_blocks_used=1, kv_blocks_total=10)
+    event = StepPlanned(step=1, t=0.0, prefill_tokens=1, recompute_tokens=0, decode_tokens=0,
+                        num_prefill_rows=1, num_recompute_rows=0, num_decode_rows=0, num_padding_rows=0,
+                        token_budget=8, num_running=1, num_waiting=0, kv_blocks_used=1, kv_blocks_total=10)
     sink(event)
     assert seen == [event] and recorder.events() == [event] and recorder.num_events == 1
     alone = FlightRecorder()
@@ -58,13 +59,16 @@ def test_tee_forwards_every_event_and_keeps_it():
 
 def test_dump_writes_a_replayable_log_once_per_news(tmp_path, capsys):
     recorder = FlightRecorder(max_steps=2, directory=str(tmp_path),
-                              header=lambda: {"model": "tiny", "knobs": {"max_num_seqs": 4}, "layout": "condense"})
+                              header=lambda: {"model": "tiny", "knobs": {"max_num_seqs": 4},
+                                              "layout": "condense"})
     steps(recorder, 1, 5)
     path = recorder.dump("test", "RuntimeError: boom")
     assert path and os.path.dirname(path) == str(tmp_path) and path.endswith("-step5.jsonl")
     assert path in capsys.readouterr().err
     header, events = read_log(path)
-    assert header["model"] == "tiny" and header["knobs"] == {"max_num_seqs": 4} and header["layout"] == "condense"
+    assert header["model"] == "tiny"
+    assert header["knobs"] == {"max_num_seqs": 4}
+    assert header["layout"] == "condense"
     assert header["flight_recorder"] == {"reason": "test", "error": "RuntimeError: boom", "first_step": 4,
                                          "last_step": 5, "num_events": 7}
     assert events == recorder.events()

@@ -35,7 +35,8 @@ def serve(ring: EventRing):
 
 def test_resume_keep_alive_and_shutdown():
     ring = EventRing(100)
-    ring.extend([KnobChanged(step=step, t=float(step), name="max_num_seqs", old=step, new=step + 1, source="test") for step in range(5)])
+    ring.extend([KnobChanged(step=step, t=float(step), name="max_num_seqs", old=step, new=step + 1,
+                             source="test") for step in range(5)])
     server, thread, url = serve(ring)
     try:
         with httpx.Client(timeout=10) as client:

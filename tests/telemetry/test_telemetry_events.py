@@ -23,8 +23,8 @@ def test_round_trip_through_json(event):
 
 def test_tuple_field_comes_back_as_tuple():
     e = StepFinished(step=1, t=0.5, num_rows=2, num_tokens=2, sampled_request_ids=("a", "b"), num_running=2,
-                     num_waiting=0, kv_blocks_used=1, kv_blocks_total=8, schedule_s=0.0, prepare_s=0.0, forward_s=0.0,
-                     sample_s=0.0, update_s=0.0)
+                     num_waiting=0, kv_blocks_used=1, kv_blocks_total=8, schedule_s=0.0,
+                     prepare_s=0.0, forward_s=0.0, sample_s=0.0, update_s=0.0)
     back = event_from_dict(json.loads(json.dumps(e.to_dict())))
     assert back.sampled_request_ids == ("a", "b")
     hash(back)      # still a frozen, hashable record

@@ -43,7 +43,8 @@ def lifetimes():
         FirstToken(step=2, t=1.6, request_id="a", ttft_s=0.7),
         FirstToken(step=2, t=1.6, request_id="b", ttft_s=0.7),
         KnobChanged(step=3, t=2.0, name="max_num_seqs", old=3, new=4, source="tui"),
-        RequestRetired(step=4, t=3.0, request_id="a", reason="stop", slot=0, num_prompt_tokens=4, num_output_tokens=2),
+        RequestRetired(step=4, t=3.0, request_id="a", reason="stop", slot=0, num_prompt_tokens=4,
+                       num_output_tokens=2),
         RowMoved(step=4, t=3.0, request_id="c", from_slot=2, to_slot=0, num_bytes=1024),
         RequestPreempted(step=5, t=3.5, request_id="b", slot=1, blocks_freed=2, tokens_to_recompute=5,
                          reason="kv pool dry"),
@@ -52,7 +53,8 @@ def lifetimes():
                        num_output_tokens=8),
         RequestArrived(step=7, t=5.2, request_id="d", num_prompt_tokens=4, max_tokens=8, priority=0),
         RequestAdmitted(step=8, t=5.5, request_id="d", slot=2, num_computed_tokens=0, resumed=False),
-        RequestRetired(step=9, t=6.0, request_id="c", reason="stop", slot=0, num_prompt_tokens=4, num_output_tokens=3),
+        RequestRetired(step=9, t=6.0, request_id="c", reason="stop", slot=0, num_prompt_tokens=4,
+                       num_output_tokens=3),
     ]
 
 
@@ -158,10 +160,12 @@ def test_csv_and_summary_split_queue_time_by_reason():
     rows = {r["request_id"]: r for r in csv.DictReader(io.StringIO(to_csv(events)))}
     a = rows["a"]
     assert float(a["queue"]) == pytest.approx(2.5)
-    assert (float(a["wait_kv"]), float(a["wait_max_num_seqs"]), float(a["wait_preemption"])) == (1.75, 0.5, 0.25)
+    assert (float(a["wait_kv"]), float(a["wait_max_num_seqs"]),
+            float(a["wait_preemption"])) == (1.75, 0.5, 0.25)
     assert a["wait_budget"] == ""
     assert float(rows["b"]["wait_kv"]) == 2.0
-    assert "queue time        4.5 s: 3.8 s kv, 500 ms max_num_seqs, 250 ms preemption" in summary_text(None, events)
+    text = summary_text(None, events)
+    assert "queue time        4.5 s: 3.8 s kv, 500 ms max_num_seqs, 250 ms preemption" in text
 
 
 def test_summary_text_static_batch():
@@ -185,7 +189,8 @@ def test_trace_survives_missing_ends():
     events = [
         RequestAdmitted(step=1, t=1.0, request_id="x", slot=0, num_computed_tokens=0, resumed=False),
         RequestAdmitted(step=5, t=2.0, request_id="y", slot=0, num_computed_tokens=0, resumed=False),
-        RequestRetired(step=6, t=3.0, request_id="y", reason="stop", slot=0, num_prompt_tokens=1, num_output_tokens=1),
+        RequestRetired(step=6, t=3.0, request_id="y", reason="stop", slot=0, num_prompt_tokens=1,
+                       num_output_tokens=1),
         RequestRetired(step=7, t=4.0, request_id="ghost", reason="abort", slot=-1, num_prompt_tokens=1,
                        num_output_tokens=0),     # never admitted: no slice
     ]

@@ -18,9 +18,9 @@ approx = pytest.approx
 
 
 def step(k, t, sampled, num_rows=2, num_tokens=10):
-    return StepFinished(step=k, t=t, num_rows=num_rows, num_tokens=num_tokens, sampled_request_ids=tuple(sampled),
-                        num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=0, schedule_s=0, prepare_s=0,
-                        forward_s=0, sample_s=0, update_s=0)
+    return StepFinished(step=k, t=t, num_rows=num_rows, num_tokens=num_tokens,
+                        sampled_request_ids=tuple(sampled), num_running=0, num_waiting=0, kv_blocks_used=0,
+                        kv_blocks_total=0, schedule_s=0, prepare_s=0, forward_s=0, sample_s=0, update_s=0)
 
 
 def small_run():
@@ -39,7 +39,8 @@ def small_run():
         RequestRetracted(step=4, t=3.0, request_id="c", slot=1, blocks_freed=1, tokens_to_recompute=5,
                          new_token_ratio=0.5),
         step(4, 4.0, ["b", "c"]), FirstToken(step=4, t=4.0, request_id="c", ttft_s=3.0),
-        RequestRetired(step=4, t=4.0, request_id="c", reason="stop", slot=1, num_prompt_tokens=30, num_output_tokens=1),
+        RequestRetired(step=4, t=4.0, request_id="c", reason="stop", slot=1, num_prompt_tokens=30,
+                       num_output_tokens=1),
         step(5, 4.5, ["b", "d"]), FirstToken(step=5, t=4.5, request_id="d", ttft_s=2.0),
         RequestRetired(step=5, t=4.5, request_id="b", reason="length", slot=0, num_prompt_tokens=20,
                        num_output_tokens=3),
@@ -90,11 +91,9 @@ def test_counts_throughput_and_recompute_tax():
 
 
 def test_prompt_tokens_fall_back_to_retired_when_arrival_unseen():
-    s = summarize([FirstToken(step=1, t=1.0, request_id="x", ttft_s=0.1), RequestRetired(step=2, t=2.0,
-                                                                                         request_id="x",
-                                                                                         reason="stop", slot=0,
-                                                                                         num_prompt_tokens=7,
-                                                                                         num_output_tokens=2),
+    s = summarize([FirstToken(step=1, t=1.0, request_id="x", ttft_s=0.1),
+                   RequestRetired(step=2, t=2.0, request_id="x", reason="stop", slot=0, num_prompt_tokens=7,
+                                  num_output_tokens=2),
                    RequestRetired(step=2, t=2.0, request_id="y", reason="abort", slot=-1, num_prompt_tokens=9,
                                   num_output_tokens=0)])
     assert s.num_prompt_tokens == 7      # y never got a first token: its prompt was not served

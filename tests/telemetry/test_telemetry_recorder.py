@@ -191,9 +191,10 @@ def test_writer_failure_is_reported_on_close_and_never_reaches_the_engine(tmp_pa
         rec.close()
 
 
-STEP_V1 = ('{"kind": "StepFinished", "step": 1, "t": 2.0, "num_rows": 2, "num_tokens": 2, "sampled_request_ids": ["a"], '
-           '"num_running": 2, "num_waiting": 0, "kv_blocks_used": 1, "kv_blocks_total": 8, "schedule_s": 0.0, '
-           '"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "update_s": 0.0}\n')
+STEP_V1 = ('{"kind": "StepFinished", "step": 1, "t": 2.0, "num_rows": 2, "num_tokens": 2, '
+           '"sampled_request_ids": ["a"], "num_running": 2, "num_waiting": 0, "kv_blocks_used": 1, '
+           '"kv_blocks_total": 8, "schedule_s": 0.0, "prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, '
+           '"update_s": 0.0}\n')
 
 
 def test_a_version_1_log_reads_with_nothing_padded(tmp_path):

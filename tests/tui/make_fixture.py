@@ -25,7 +25,8 @@ def main() -> None:
     bus = EventBus()
     engine = Engine(config, sink=bus.publish)
     knobs = {**engine.knobs(), "block_size": config.block_size}
-    with Recorder(OUT, model="tiny", knobs=knobs, bus=bus, header_extra={"layout": config.layout, "device": "cpu"}):
+    with Recorder(OUT, model="tiny", knobs=knobs, bus=bus,
+                  header_extra={"layout": config.layout, "device": "cpu"}):
         for i in range(14):
             prompt = [rng.randrange(1000, 30000) for _ in range(rng.randint(8, 90))]
             engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(4, 40), ignore_eos=True))

@@ -139,7 +139,8 @@ async def test_z_cycles_the_scenarios_on_the_live_engine(source):
         knobs = source.engine.knobs()
         assert (knobs["batching_mode"], knobs["max_num_seqs"]) == ("static", 8)
         app.tick()                                           # the model learns the scenario from its event
-        await pilot.press("z")                               # kv-exhaustion: its 40-block pool needs a restart
+        # kv-exhaustion: its 40-block pool needs a restart
+        await pilot.press("z")
         assert "needs `batchtop --scenario kv-exhaustion` for num_kv_blocks=40" in status(app)
         barrier(source)
         app.tick()

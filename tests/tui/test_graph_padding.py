@@ -26,14 +26,18 @@ def test_graph_padding_cells_follow_the_batch_rows():
               for rid in "abc"]
     events += [RequestAdmitted(step=1, t=0.1, request_id=rid, slot=slot, num_computed_tokens=0, resumed=False)
                for slot, rid in enumerate("abc")]
-    model.feed(events + [StepFinished(step=1, t=0.2, num_rows=3, num_tokens=3, sampled_request_ids=("a", "b", "c"), num_padded_tokens=1, **QUIET)])
+    model.feed(events
+               + [StepFinished(step=1, t=0.2, num_rows=3, num_tokens=3, sampled_request_ids=("a", "b", "c"),
+                               num_padded_tokens=1, **QUIET)])
     assert [model.slot_kind(i)[0] for i in range(5)] == ["admitted"] * 3 + ["graph", "free"]
     assert model.num_grid_slots() == 4 and model.rates.rates().padded_token_share == 0.25
     # a graph of 8 for 3 rows: the grid grows past max_num_seqs to show all five padding rows
-    model.feed([StepFinished(step=2, t=0.3, num_rows=3, num_tokens=3, sampled_request_ids=("a", "b", "c"), num_padded_tokens=5, **QUIET)])
+    model.feed([StepFinished(step=2, t=0.3, num_rows=3, num_tokens=3, sampled_request_ids=("a", "b", "c"),
+                             num_padded_tokens=5, **QUIET)])
     assert model.num_grid_slots() == 8 and [model.slot_kind(i)[0] for i in range(3, 8)] == ["graph"] * 5
     assert model.rates.rates().padded_token_share == pytest.approx(6 / 12)
-    model.feed([StepFinished(step=3, t=0.4, num_rows=3, num_tokens=40, sampled_request_ids=("a", "b", "c"), num_padded_tokens=0, **QUIET)])
+    model.feed([StepFinished(step=3, t=0.4, num_rows=3, num_tokens=40, sampled_request_ids=("a", "b", "c"),
+                             num_padded_tokens=0, **QUIET)])
     assert model.slot_kind(3)[0] == "free", "an eager step pads nothing"
 
 
@@ -43,7 +47,8 @@ def record(path, cuda_graphs: str) -> None:
     bus = EventBus()
     engine = Engine(config, sink=bus.publish)
     knobs = {**engine.knobs(), "block_size": config.block_size}
-    with Recorder(path, model="tiny", knobs=knobs, bus=bus, header_extra={"layout": config.layout, "device": "cpu"}):
+    with Recorder(path, model="tiny", knobs=knobs, bus=bus,
+                  header_extra={"layout": config.layout, "device": "cpu"}):
         for i in range(3):        # three rows decoding: a graph of 4, one padding row a step
             engine.add_request([100 + i] * 5, SamplingParams(max_tokens=12, ignore_eos=True))
         for _ in range(6):

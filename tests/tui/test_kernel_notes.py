@@ -12,8 +12,10 @@ from batchtop.tui.sources import FeedSource
 def test_loading_screen_names_the_first_build(monkeypatch):
     loading = LoadingSource("model smollm2")
     assert loading.status().startswith("loading model smollm2 ")
-    monkeypatch.setattr(cpu, "_building", "compiling the C++ CPU kernels (first start on this CPU, about a minute)")
-    assert loading.status().startswith("compiling the C++ CPU kernels (first start on this CPU, about a minute) ")
+    monkeypatch.setattr(cpu, "_building",
+                        "compiling the C++ CPU kernels (first start on this CPU, about a minute)")
+    assert loading.status().startswith("compiling the C++ CPU kernels (first start on this CPU, about a "
+                                       "minute) ")
 
 
 @pytest.mark.asyncio

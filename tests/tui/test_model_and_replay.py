@@ -78,21 +78,24 @@ def test_slot_kinds_mark_admission_move_and_hole():
                 RequestArrived(step=1, t=0.0, request_id="b", num_prompt_tokens=10, max_tokens=5, priority=0),
                 RequestAdmitted(step=1, t=0.1, request_id="a", slot=0, num_computed_tokens=0, resumed=False),
                 RequestAdmitted(step=1, t=0.1, request_id="b", slot=1, num_computed_tokens=0, resumed=False),
-                StepFinished(step=1, t=0.2, num_rows=2, num_tokens=20, sampled_request_ids=("a", "b"), num_running=2,
-                             num_waiting=0, kv_blocks_used=2, kv_blocks_total=10, schedule_s=0, prepare_s=0,
-                             forward_s=0, sample_s=0, update_s=0)])
+                StepFinished(step=1, t=0.2, num_rows=2, num_tokens=20,
+                             sampled_request_ids=("a", "b"), num_running=2, num_waiting=0, kv_blocks_used=2,
+                             kv_blocks_total=10, schedule_s=0, prepare_s=0, forward_s=0,
+                             sample_s=0, update_s=0)])
     assert [model.slot_kind(i)[0] for i in range(4)] == ["admitted", "admitted", "free", "free"]
-    model.feed([StepFinished(step=2, t=0.3, num_rows=2, num_tokens=2, sampled_request_ids=("a", "b"), num_running=2,
-                             num_waiting=0, kv_blocks_used=2, kv_blocks_total=10, schedule_s=0, prepare_s=0,
-                             forward_s=0, sample_s=0, update_s=0)])
+    model.feed([StepFinished(step=2, t=0.3, num_rows=2, num_tokens=2,
+                             sampled_request_ids=("a", "b"), num_running=2, num_waiting=0, kv_blocks_used=2,
+                             kv_blocks_total=10, schedule_s=0, prepare_s=0, forward_s=0,
+                             sample_s=0, update_s=0)])
     assert [model.slot_kind(i)[0] for i in range(3)] == ["decode", "decode", "free"]
     model.feed([RequestRetired(step=2, t=0.35, request_id="a", reason="stop", slot=0, num_prompt_tokens=10,
                                num_output_tokens=2)])
     assert model.slot_kind(0)[0] == "hole"
     model.feed([RowMoved(step=3, t=0.4, request_id="b", from_slot=1, to_slot=0, num_bytes=128),
-                StepPlanned(step=3, t=0.4, prefill_tokens=0, recompute_tokens=0, decode_tokens=1, num_prefill_rows=0,
-                            num_recompute_rows=0, num_decode_rows=1, num_padding_rows=0, token_budget=64, num_running=1,
-                            num_waiting=0, kv_blocks_used=1, kv_blocks_total=10)])
+                StepPlanned(step=3, t=0.4, prefill_tokens=0, recompute_tokens=0, decode_tokens=1,
+                            num_prefill_rows=0, num_recompute_rows=0, num_decode_rows=1, num_padding_rows=0,
+                            token_budget=64, num_running=1, num_waiting=0, kv_blocks_used=1,
+                            kv_blocks_total=10)])
     assert model.slot_kind(0) == ("moved", "b") and model.slot_kind(1)[0] == "free"
     assert model.live["b"].slot == 0
 

@@ -13,9 +13,10 @@ def plain(text: str) -> str:
 
 
 def step(k: int, t: float, sampled: tuple[str, ...]) -> StepFinished:
-    return StepFinished(step=k, t=t, num_rows=len(sampled), num_tokens=len(sampled), sampled_request_ids=sampled,
-                        num_running=len(sampled), num_waiting=0, kv_blocks_used=1, kv_blocks_total=8,
-                        schedule_s=0.0, prepare_s=0.0, forward_s=0.0, sample_s=0.0, update_s=0.0)
+    return StepFinished(step=k, t=t, num_rows=len(sampled), num_tokens=len(sampled),
+                        sampled_request_ids=sampled, num_running=len(sampled), num_waiting=0,
+                        kv_blocks_used=1, kv_blocks_total=8, schedule_s=0.0, prepare_s=0.0, forward_s=0.0,
+                        sample_s=0.0, update_s=0.0)
 
 
 def test_sliding_mean_averages_the_last_values():
@@ -40,7 +41,8 @@ def test_throughput_is_a_rate_over_the_sliding_window_not_per_bucket_spikes():
 
 def test_latency_percentiles_cover_only_the_recent_window():
     model = DashboardModel()
-    model.feed([RequestArrived(step=0, t=0.0, request_id="old", num_prompt_tokens=1, max_tokens=1, priority=0),
+    model.feed([RequestArrived(step=0, t=0.0, request_id="old", num_prompt_tokens=1,
+                               max_tokens=1, priority=0),
                 FirstToken(step=1, t=0.1, request_id="old", ttft_s=5.0)])
     t = LATENCY_WINDOW_S + 1.0
     model.feed([RequestArrived(step=2, t=t, request_id="new", num_prompt_tokens=1, max_tokens=1, priority=0),

@@ -60,14 +60,16 @@ async def test_busy_stream_stays_responsive_and_bounded():
     assert len(model.history) <= model_module.MAX_HISTORY
     assert all(len(r.timeline) <= model_module.MAX_TIMELINE for r in model.requests())
     assert num_table_rows <= model_module.MAX_LIVE_REQUESTS + model_module.MAX_RETIRED_REQUESTS
-    print(f"folded and drew {SECONDS}s of events in {elapsed:.2f}s; slowest tick {slowest_tick * 1000:.0f} ms")
+    print(f"folded and drew {SECONDS}s of events in {elapsed:.2f}s; "
+          f"slowest tick {slowest_tick * 1000:.0f} ms")
     assert f"step {STEPS_PER_S * SECONDS}" in text
 
 
 def test_live_requests_are_capped_when_the_queue_runs_away():
     from batchtop.telemetry.events import RequestArrived
     m = model_module.DashboardModel()
-    m.feed([RequestArrived(step=0, t=float(i), request_id=f"q{i}", num_prompt_tokens=8, max_tokens=8, priority=0)
+    m.feed([RequestArrived(step=0, t=float(i), request_id=f"q{i}", num_prompt_tokens=8,
+                           max_tokens=8, priority=0)
             for i in range(model_module.MAX_LIVE_REQUESTS + 500)])
     assert len(m.live) == model_module.MAX_LIVE_REQUESTS
     assert "q0" not in m.live and f"q{model_module.MAX_LIVE_REQUESTS + 499}" in m.live
@@ -79,7 +81,8 @@ def shown_step(app) -> int:
 
 @pytest.mark.asyncio
 async def test_redraws_wait_for_the_refresh_period_but_keys_redraw_at_once():
-    source = FeedSource(knobs={"max_num_seqs": 8, "block_size": 16}, meta={"model": "synthetic"}, clock=lambda: 1000.0)
+    source = FeedSource(knobs={"max_num_seqs": 8, "block_size": 16}, meta={"model": "synthetic"},
+                        clock=lambda: 1000.0)
     app = BatchtopApp(source, tick_s=None, refresh_s=3600)
     steps = busy_stream(8, 100, 1)
     async with app.run_test(size=(120, 40)) as pilot:

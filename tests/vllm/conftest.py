@@ -41,7 +41,8 @@ def vllm_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def stock_vllm(tmp_path_factory):
     """vLLM as shipped (its own scheduler), same settings: the reference for token identity."""
-    yield from _launched(tmp_path_factory, "vllm-stock", options(port=STOCK_PORT, events_port=None, scheduler_cls=None))
+    yield from _launched(tmp_path_factory, "vllm-stock",
+                         options(port=STOCK_PORT, events_port=None, scheduler_cls=None))
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ def state(req_id: str, num_tokens: int) -> CachedRequestState:
 def main(seed: int, num_steps: int) -> None:
     rng = random.Random(seed)
     batch = InputBatch(max_num_reqs=MAX_REQS, max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN,
-                       device=torch.device("cpu"), vocab_size=1000, block_sizes=[16], max_num_blocks_per_req=[4])
+                       device=torch.device("cpu"), vocab_size=1000, block_sizes=[16],
+                       max_num_blocks_per_req=[4])
     mirror = InputBatchMirror()
     live: dict[str, int] = {}            # running requests (in or out of the batch) -> tokens
     preempted: set[str] = set()

@@ -35,10 +35,11 @@ def _request(rid: str, prompt: int, outputs: int = 0, computed: int = 0):
 def _output(new: dict[str, int], scheduled: dict[str, int], requests: dict):
     for rid, n in scheduled.items():
         requests[rid].num_computed_tokens += n
+    cached = [r for r in scheduled if r not in new]
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=0) for r in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r in scheduled if r not in new], resumed_req_ids=set(),
-                                              num_computed_tokens=[0] * len([r for r in scheduled if r not in new])),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=cached, resumed_req_ids=set(),
+                                              num_computed_tokens=[0] * len(cached)),
         num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
         finished_req_ids=set())
 
@@ -81,7 +82,8 @@ def test_vllm_keeps_serving_when_batchtops_part_fails_to_start(tmp_path):
         try:
             server.wait_healthy(START_TIMEOUT_S)
             answer = httpx.post(f"{server.url}/v1/completions", timeout=120,
-                                json={"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+                                json={"model": "smollm2", "prompt": "Hello", "max_tokens": 4,
+                                      "temperature": 0})
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         finally:
             server.stop()

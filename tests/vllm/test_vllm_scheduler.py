@@ -25,15 +25,17 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "Count fr
 def metric(base_url: str, name: str) -> float:
     """The sum of one metric's samples in vLLM's /metrics."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    series = rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(series, text, re.M))
 
 
 async def _completions(n: int, max_tokens: int, *, ignore_eos: bool, port: int = PORT):
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     async with client:
         return await asyncio.gather(*[
-            client.completions.create(model="smollm2", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
-                                      temperature=0, extra_body={"ignore_eos": ignore_eos}, timeout=600)
+            client.completions.create(model="smollm2", prompt=PROMPTS[i % len(PROMPTS)],
+                                      max_tokens=max_tokens, temperature=0,
+                                      extra_body={"ignore_eos": ignore_eos}, timeout=600)
             for i in range(n)])
 
 
@@ -51,7 +53,8 @@ def computed_tokens(events, request_id: str) -> int:
     """Tokens computed for one request, from the events alone: its prefill chunks, plus one for each
     step it sampled in without a prefill chunk (a decode row)."""
     chunk_steps = {e.step for e in events if isinstance(e, ev.PrefillChunk) and e.request_id == request_id}
-    prefill = sum(e.num_tokens for e in events if isinstance(e, ev.PrefillChunk) and e.request_id == request_id)
+    prefill = sum(e.num_tokens for e in events if isinstance(e, ev.PrefillChunk)
+                  and e.request_id == request_id)
     decode = sum(1 for e in events if isinstance(e, ev.StepFinished) and request_id in e.sampled_request_ids
                  and e.step not in chunk_steps)
     return prefill + decode
@@ -81,11 +84,13 @@ def test_every_request_arrives_is_admitted_and_retires_with_its_usage(vllm_serve
         cache_hits = sum(a.num_computed_tokens for a in mine[ev.RequestAdmitted][rid])
         # every known token is computed once but the last sampled one; a preemption recomputes, a
         # prefix-cache hit at admission skips
-        assert computed_tokens(events, rid) == (response.usage.prompt_tokens + response.usage.completion_tokens - 1
+        assert computed_tokens(events,
+                               rid) == (response.usage.prompt_tokens + response.usage.completion_tokens - 1
                                                 + recomputed - cache_hits)
     steps = [e for e in events if isinstance(e, ev.StepFinished) and e.t > started]
     planned = [e for e in events if isinstance(e, ev.StepPlanned) and e.t > started]
-    assert [e.step for e in steps] == [e.step for e in planned] == list(range(steps[0].step, steps[-1].step + 1))
+    assert [e.step for e in steps] == [e.step for e in planned] == list(range(steps[0].step,
+                                                                              steps[-1].step + 1))
     # the rows' split adds up to what vLLM scheduled (its SchedulerOutput.total_num_scheduled_tokens)
     assert sum(e.prefill_tokens + e.decode_tokens for e in planned) == sum(e.num_tokens for e in steps)
     assert sum(computed_tokens(events, rid) for rid in ids.values()) == sum(e.num_tokens for e in steps)
@@ -98,7 +103,8 @@ def test_preemptions_match_vllms_count_and_the_pool_drains(vllm_server, follower
     responses = run_load(MAX_NUM_SEQS, 200, ignore_eos=True)        # 2 blocks each, 5 in the pool
     assert all(r.usage.completion_tokens == 200 for r in responses)
     ids = set(engine_ids(follower.collect(), responses).values())
-    events = follower.wait_for(lambda evs: {e.request_id for e in evs if isinstance(e, ev.RequestRetired)} >= ids)
+    events = follower.wait_for(
+        lambda evs: {e.request_id for e in evs if isinstance(e, ev.RequestRetired)} >= ids)
     preempted = [e for e in events if isinstance(e, ev.RequestPreempted)]
     assert len(preempted) - seen_before == metric(base_url, "vllm:num_preemptions_total") - before > 0
     assert all(p.blocks_freed >= 1 and p.tokens_to_recompute > 0 for p in preempted if p.request_id in ids)
@@ -135,7 +141,8 @@ def test_pause_holds_every_step_and_resume_completes_every_request(vllm_server, 
 
     async def paused_load():
         task = asyncio.ensure_future(_completions(4, 16, ignore_eos=True))
-        await asyncio.sleep(3.0)                                  # the requests arrive; nothing may be computed
+        # the requests arrive; nothing may be computed
+        await asyncio.sleep(3.0)
         held = follower.collect()
         assert httpx.post(f"{events_url}/v1/resume").status_code == 200
         return held, await task
@@ -150,14 +157,17 @@ def test_pause_holds_every_step_and_resume_completes_every_request(vllm_server, 
     assert any(isinstance(e, ev.EnginePaused) and e.t > started for e in held)
     assert not [e for e in held if isinstance(e, (ev.StepPlanned, ev.RequestAdmitted)) and e.t > started]
     assert all(r.usage.completion_tokens == 16 for r in responses)
-    events = follower.wait_for(lambda evs: any(isinstance(e, ev.EngineResumed) and e.t > started for e in evs))
+    events = follower.wait_for(lambda evs: any(isinstance(e, ev.EngineResumed)
+                                               and e.t > started for e in evs))
     assert sum(isinstance(e, ev.RequestRetired) and e.t > started for e in events) >= 4
 
 
 def test_greedy_outputs_are_those_of_vllm_without_batchtop(vllm_server, stock_vllm):
     for prompt in PROMPTS[:4]:
-        ours, theirs = (openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none").completions.create(
-            model="smollm2", prompt=prompt, max_tokens=24, temperature=0, logprobs=0) for port in (PORT, STOCK_PORT))
+        ours, theirs = (
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none").completions.create(
+                model="smollm2", prompt=prompt, max_tokens=24, temperature=0, logprobs=0)
+            for port in (PORT, STOCK_PORT))
         assert ours.choices[0].text == theirs.choices[0].text
         assert ours.choices[0].logprobs.tokens == theirs.choices[0].logprobs.tokens
 
@@ -170,8 +180,8 @@ def test_the_dashboard_shows_vllms_running_requests_and_kv_level(vllm_server):
     events_url = vllm_server[1]
 
     async def drive():
-        app = BatchtopApp(source_factory=lambda: RemoteSource(events_url, from_step=None), loading_what=events_url,
-                          tick_s=None)
+        app = BatchtopApp(source_factory=lambda: RemoteSource(events_url, from_step=None),
+                          loading_what=events_url, tick_s=None)
         async with app.run_test(size=(120, 40)) as pilot:
             load = asyncio.ensure_future(_completions(MAX_NUM_SEQS, 160, ignore_eos=True))
             busiest, screen = (0, 0), ""
@@ -210,7 +220,8 @@ def test_the_mirrored_slots_are_vllms_own_input_batch_rows():
     if skip_reason():
         pytest.skip(f"no vLLM here: {skip_reason()}")
     script = Path(__file__).with_name("mirror_check.py")
-    done = subprocess.run([str(vllm_python()), str(script), "7", "2000"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(vllm_python()), str(script), "7", "2000"], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["mismatches"] == 0 and result["moves"] > 500, result
@@ -232,21 +243,24 @@ def test_a_late_subscriber_gets_a_snapshot_equal_to_the_events_folded_from_the_s
                                                                    for e in evs) > started_steps + 30, 300)
         late = EventFollower(events_url, from_step=None)
         try:
-            await asyncio.to_thread(late.wait_for, lambda evs: any(isinstance(e, ev.EngineSnapshot) for e in evs))
+            await asyncio.to_thread(late.wait_for,
+                                    lambda evs: any(isinstance(e, ev.EngineSnapshot) for e in evs))
         finally:
             late.close()
         await task
 
     started = time.monotonic()
     asyncio.run(load_and_join())
-    events = follower.wait_for(lambda evs: any(isinstance(e, ev.EngineSnapshot) and e.t > started for e in evs))
+    events = follower.wait_for(lambda evs: any(isinstance(e, ev.EngineSnapshot)
+                                               and e.t > started for e in evs))
     folded = BatchState()
     for event in events:
         if isinstance(event, ev.EngineSnapshot) and event.t > started:
             snapshot = event
             break
         folded.feed([event])
-    expected = {rid: (status, slot, computed, output, blocks) for rid, status, slot, computed, output, blocks in zip(
+    expected = {rid: (status, slot, computed, output, blocks) for rid, status, slot, computed,
+                output, blocks in zip(
         snapshot.request_ids, snapshot.statuses, snapshot.slots, snapshot.num_computed_tokens,
         snapshot.num_output_tokens, snapshot.num_blocks)}
     assert any(status == "running" for status, *_ in expected.values())

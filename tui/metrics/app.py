@@ -127,8 +127,10 @@ class MetricsApp(App):
     # -- actions -----------------------------------------------------------------------------------
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.BINDINGS, f"source: {self.source.flavour} /metrics at {self.source.url}, "
-                                                   f"scraped every {self.source.period_s:g} s. {READ_ONLY_WHY}."))
+        self.push_screen(HelpScreen(self.BINDINGS,
+                                    f"source: {self.source.flavour} /metrics at {self.source.url}, "
+                                                   f"scraped every {self.source.period_s:g} s. "
+                                                   f"{READ_ONLY_WHY}."))
 
     def action_view(self, name: str) -> None:
         self.view = name

@@ -83,7 +83,8 @@ class EngineView:
     engine: str
     latest: EngineSnapshot
     intervals: deque = field(default_factory=lambda: deque(maxlen=MAX_INTERVALS))
-    totals: dict[str, float] = field(default_factory=dict)    # retired, generation_tokens, ... since the first scrape
+    # retired, generation_tokens, ... since the first scrape
+    totals: dict[str, float] = field(default_factory=dict)
     num_resets: int = 0
 
     def add(self, interval: Interval) -> None:
@@ -186,7 +187,9 @@ class MetricsSource(Source):
     def status(self) -> str:
         if self.connected:
             return f"live · {self.flavour} /metrics every {self.period_s:g} s · {self.url}"
-        wait = "" if self.retry_at is None else f"; retrying in {max(0.0, self.retry_at - time.monotonic()):.1f} s"
+        wait = ""
+        if self.retry_at is not None:
+            wait = f"; retrying in {max(0.0, self.retry_at - time.monotonic()):.1f} s"
         return f"disconnected from {self.url}: {self.last_error or 'connecting'}{wait}"
 
     def toggle_pause(self) -> str | None:

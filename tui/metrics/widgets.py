@@ -47,7 +47,8 @@ class MetricsHeader(Static):
         view: EngineView | None = app.engines.get(app.engine)
         state = app.source.status()
         line = Text()
-        line.append(f" {state} ", style="bold black on green" if state.startswith("live") else "bold white on red")
+        line.append(f" {state} ",
+                    style="bold black on green" if state.startswith("live") else "bold white on red")
         if view is None:
             line.append("  waiting for the first scrape")
             return line
@@ -102,7 +103,8 @@ class MetricsKvPanel(Static):
             return text
         latest, pct = view.latest, kv_pct(view)
         unit = "tokens" if latest.block_size == 1 else "blocks"
-        text.append(f"{fmt(latest.kv_blocks_used)}/{fmt(latest.kv_blocks_total)} {unit} {fmt(pct, '.0f', '%')}\n")
+        text.append(f"{fmt(latest.kv_blocks_used)}/{fmt(latest.kv_blocks_total)} {unit} "
+                    f"{fmt(pct, '.0f', '%')}\n")
         text.append_text(bar((pct or 0.0) / 100, width, "magenta"))
         text.append("\n")
         history = [i.kv_usage * 100 for i in view.intervals if i.kv_usage is not None]
@@ -125,13 +127,15 @@ class EnginesTable(Static):
 
     def render(self) -> Text:
         app = self.app
-        text = Text("".join(f"{name:>{w}} " if i else f"{name:<{w}} " for i, (name, w) in enumerate(ENGINE_COLUMNS)),
+        text = Text("".join(f"{name:>{w}} " if i else f"{name:<{w}} " for i,
+                            (name, w) in enumerate(ENGINE_COLUMNS)),
                     style="bold reverse")
         for key, view in app.engines.items():
             last, latest = last_interval(view), view.latest
             cells = (key, fmt(latest.running), fmt(latest.waiting), fmt(kv_pct(view)),
                      f"{fmt(latest.kv_blocks_used)}/{fmt(latest.kv_blocks_total)}",
-                     fmt(last.steps_per_s if last else None, ".1f"), fmt(last.tokens_per_step if last else None, ".1f"),
+                     fmt(last.steps_per_s if last else None, ".1f"),
+                     fmt(last.tokens_per_step if last else None, ".1f"),
                      _rate(last.gen_tok_s if last else None), fmt(view.totals.get("admitted")),
                      fmt(view.totals.get("retired")), fmt(view.totals.get("preemptions")),
                      fmt_ms(last.latency.get("ttft", (None,))[0] if last else None))
@@ -229,4 +233,5 @@ class MetricsPlot(Static):
         if width < 10 or height < 4:
             self.update("")
             return
-        self.update(Text.from_ansi(build_metrics_plot(self.plot_name, view, window_s, width, height), no_wrap=True))
+        self.update(Text.from_ansi(build_metrics_plot(self.plot_name, view, window_s, width,
+                                                      height), no_wrap=True))
