@@ -202,8 +202,8 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.panels, self.scale,
-                                                          self.offset) if t is not None)
+        parts = (self.panels, self.scale, self.offset)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def pack_linear(weight: torch.Tensor, blocks: bool = True) -> PackedLinear:

@@ -17,13 +17,13 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.widgets import ContentSwitcher, Footer, Static
 
-from batchtop.engine.core.knobs import BATCHING_MODES
+from batchtop.engine.core.knobs import BATCHING_MODES, DASHBOARD_KNOBS
 from batchtop.engine.workload.arrivals import DISTRIBUTIONS as LENGTH_DISTS
 
 from .model import DashboardModel
 from .plots import PLOT_WINDOWS_S, PLOTS, PlotPanel
 from .screens import ConfirmScreen, HelpScreen, PromptScreen
-from .sources import ENGINE_KNOBS, LOAD_KNOBS, Source
+from .sources import LOAD_KNOBS, Source
 from .tables import COLUMNS, EventLogView, RequestTable
 from .widgets import HeaderBar, KvPanel, SlotGrid, TimelineView
 
@@ -332,8 +332,8 @@ class BatchtopApp(App):
     def set_knob(self, name: str, value) -> str | None:
         """Ask the source to change a knob; the refusal (a message) or None. Shown either way."""
         name = KNOB_ALIASES.get(name, name)
-        if name not in ENGINE_KNOBS + LOAD_KNOBS:
-            error = f"unknown knob {name!r}; knobs: {', '.join(ENGINE_KNOBS + LOAD_KNOBS)}"
+        if name not in DASHBOARD_KNOBS + LOAD_KNOBS:
+            error = f"unknown knob {name!r}; knobs: {', '.join(DASHBOARD_KNOBS + LOAD_KNOBS)}"
         else:
             error = self.source.set_knob(name, value)
         if error:
@@ -360,9 +360,9 @@ class BatchtopApp(App):
                 self.say(f"type name=value, e.g. max_num_seqs=32 (got {value!r})", error=True)
                 return
             self.set_knob(name.strip(), raw.strip())
-        self.push_screen(PromptScreen(
-            f"knob=value  ({', '.join(ENGINE_KNOBS + LOAD_KNOBS)}; short: seqs budget chunk mode rate dist)",
-            placeholder="max_num_seqs=32"), done)
+        knobs = ", ".join(DASHBOARD_KNOBS + LOAD_KNOBS)
+        self.push_screen(PromptScreen(f"knob=value  ({knobs}; short: seqs budget chunk mode rate dist)",
+                                      placeholder="max_num_seqs=32"), done)
 
     def action_knob_step(self, name: str, up: bool) -> None:
         current = self.model.knobs.get(name)

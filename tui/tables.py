@@ -118,8 +118,8 @@ class RequestTable(Static):
         text = Text()
         for i, column in enumerate(COLUMNS):
             arrow = ("▼" if self.sort_reverse else "▲") if i == self.sort_column else ""
-            label = (column.name + arrow).rjust(column.width) if i > 1 else (column.name
-                                                                             + arrow).ljust(column.width)
+            name = column.name + arrow
+            label = name.rjust(column.width) if i > 1 else name.ljust(column.width)
             text.append(label + " ", style="bold reverse" if i == self.sort_column else "bold")
         text.append(f"  {len(model.live)} live, {len(model.retired)} done\n", style="bright_black")
         visible = max(1, self.size.height - 1)
@@ -193,8 +193,8 @@ class EventLogView(Static):
         self.scroll_back = 0
 
     def describe_filter(self) -> str:
-        parts = [f"kinds={','.join(self.kinds)}" if self.kinds else ("all kinds" if self.show_steps
-                                                                       else "all but step events")]
+        every = "all kinds" if self.show_steps else "all but step events"
+        parts = [f"kinds={','.join(self.kinds)}" if self.kinds else every]
         if self.request_id:
             parts.append(f"request={self.request_id}")
         if self.frozen is not None:

@@ -63,8 +63,8 @@ def best_gemm_rates(model, rows=(64, 128, 256), repeats=20) -> tuple[float, floa
     F.linear and the engine's packed kernel (kernels/cpu.py) on fp32 panels and, for weights in block
     form, on their blocks, whichever is fastest -- and of the engine's block weights on the AMX tile
     unit (fp32-accurate through exact bf16 parts; 0 where there is no AMX or no weight in block form)."""
-    weights = {tuple(m.weight.shape): m.weight.detach() for m in model.modules() if isinstance(m,
-                                                                                               torch.nn.Linear)}
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = {tuple(m.weight.shape): m.weight.detach() for m in linears}
     fma, tiles = [F.linear], []
     if cpu.available():
         fp32 = {shape: cpu.pack_linear(weight, blocks=False) for shape, weight in weights.items()}

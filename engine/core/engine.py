@@ -329,9 +329,10 @@ class Engine:
         self.scheduler.note_paused(time.monotonic(), paused)
         self._emit(ev.EnginePaused if paused else ev.EngineResumed)
         waiting = self.scheduler.waiting
-        self.events.blocked(self.step_count, Blocked("paused", waiting[0].request_id, len(waiting),
-                                                     len(self.scheduler.running)) if paused
-                                                     and waiting else None)
+        blocked = None
+        if paused and waiting:
+            blocked = Blocked("paused", waiting[0].request_id, len(waiting), len(self.scheduler.running))
+        self.events.blocked(self.step_count, blocked)
 
     # -- blocking convenience ----------------------------------------------------------------
 

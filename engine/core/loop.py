@@ -277,8 +277,9 @@ class EngineLoop:
         if self.load is None or self._paused:
             return
         for item in self.load.due(time.monotonic() - self._started_at):
-            prompt = item.prompt if item.prompt is not None else synthetic_prompt(item.prompt_tokens,
-                                                                                  self._load_rng)
+            prompt = item.prompt
+            if prompt is None:
+                prompt = synthetic_prompt(item.prompt_tokens, self._load_rng)
             exact = item.output_tokens is not None
             sampling = SamplingParams(max_tokens=item.output_tokens or 256, ignore_eos=exact)
             try:

@@ -306,8 +306,8 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
         sampling = request.sampling
-        if (token_id in self.eos_token_ids
-            and not sampling.ignore_eos) or token_id in sampling.stop_token_ids:
+        is_eos = token_id in self.eos_token_ids and not sampling.ignore_eos
+        if is_eos or token_id in sampling.stop_token_ids:
             return "stop"
         if request.num_output_tokens >= sampling.max_tokens:
             return "length"
@@ -318,8 +318,8 @@ class Scheduler:
         plan's `left`); False when it stays as a static padding row (its blocks held) until the longest
         row of its batch finishes."""
         running = request.status is Status.RUNNING
-        stays_as_padding = self.knobs.batching_mode != "continuous" and reason not in ("abort",
-                                                                                       "error") and running
+        stays_as_padding = (self.knobs.batching_mode != "continuous" and reason not in ("abort", "error")
+                            and running)
         if stays_as_padding:
             self.running.remove(request)
             self.padding.append(request)

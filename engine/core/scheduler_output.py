@@ -66,8 +66,9 @@ class LeftBatch:
 class SchedulerOutput:
     rows: list[Row] = field(default_factory=list)      # running order
     admitted: list[Request] = field(default_factory=list)
-    left: list[LeftBatch] = field(default_factory=list)   # rows that leave the batch: retired since the last
-    token_budget: int = 0                                 # plan, then this step's released or preempted ones
+    # rows that leave the batch: retired since the last plan, then this step's released or preempted ones
+    left: list[LeftBatch] = field(default_factory=list)
+    token_budget: int = 0
     new_token_ratio: float = 0.0
     blocked: Blocked | None = None   # what stopped admission at the head of the queue; None: nobody waits
 

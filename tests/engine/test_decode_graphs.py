@@ -37,9 +37,8 @@ def test_a_step_takes_the_smallest_size_that_holds_it(tiny):
                     max_blocks_per_seq=8)
     graphs = runner.decode_graphs
     assert graphs.sizes == (1, 2, 4, 8, 16, 20) and graphs.capture is None and not graphs.graphs
-    assert [graphs.size_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20, 21)] == [1, 2, 4, 4, 8, 8,
-                                                                                   16, 16, 20, 20,
-                                                                                    None]
+    assert [graphs.size_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20, 21)] == [
+        1, 2, 4, 4, 8, 8, 16, 16, 20, 20, None]
     # the padding rows' blocks come after the pool's: 20 rows at 4 slots a block
     assert runner.kv_caches[0][0].shape[0] == NUM_BLOCKS + 5
 
@@ -62,8 +61,8 @@ class Steps:
         for row, prompt in enumerate(prompts):
             self.token_ids[row, :len(prompt)] = prompt
         # blocks out of order, each row its own, all inside the pool (at most 8 rows)
-        self.block_table = np.arange(len(prompts) * 8, dtype=np.int32).reshape(len(prompts),
-                                                                               8)[:, ::-1].copy()
+        table = np.arange(len(prompts) * 8, dtype=np.int32).reshape(len(prompts), 8)
+        self.block_table = table[:, ::-1].copy()
 
     def prefill(self, runner):
         rows = np.arange(len(self.lens))
@@ -98,8 +97,8 @@ def test_decode_steps_in_the_buffers_match_the_unpadded_runner(tiny):
     steps.append(range(len(prompts)), logits)
     for rows, size in (([0, 1, 2], 4), ([0, 1, 2, 3, 4], 8), ([1, 3], 2), ([5], 1), ([0, 1, 2, 3, 4, 5], 8)):
         inputs = steps.decode(padded, rows)
-        assert (inputs.graph_size, inputs.num_actual_tokens, inputs.num_padded_tokens) == (size, len(rows),
-                                                                                            size - len(rows))
+        counts = (inputs.graph_size, inputs.num_actual_tokens, inputs.num_padded_tokens)
+        assert counts == (size, len(rows), size - len(rows))
         assert [t.data_ptr() for t in (buffers.tokens, buffers.seq_lens, buffers.block_table)] == addresses
         assert inputs.input_ids.data_ptr() == addresses[0] and len(inputs.input_ids) == size
         assert_buffers_hold(inputs, steps, rows, size)
@@ -175,8 +174,8 @@ def test_engine_outputs_are_identical_and_every_padded_token_is_counted(tiny, co
     finished = [e for e in events if isinstance(e, ev.StepFinished)]
     plain_finished = [e for e in plain_events if isinstance(e, ev.StepFinished)]
     # the same steps computed the same actual tokens; the padding is counted beside them, never in them
-    assert [(s.num_rows, s.num_tokens) for s in finished] == [(s.num_rows,
-                                                               s.num_tokens) for s in plain_finished]
+    assert ([(s.num_rows, s.num_tokens) for s in finished]
+            == [(s.num_rows, s.num_tokens) for s in plain_finished])
     assert not any(s.num_padded_tokens for s in plain_finished)
     graphs = engine.runner.decode_graphs
     for step in finished:

@@ -64,8 +64,7 @@ def test_a_raising_output_callback_does_not_stop_the_engine(loop):
 
 def test_vanishing_temperature_and_top_p_sample_without_error(loop):
     for params in (SamplingParams(max_tokens=4, temperature=1e-30),
-                   SamplingParams(max_tokens=4, temperature=1.0,
-                                                                                    top_p=5e-324)):
+                   SamplingParams(max_tokens=4, temperature=1.0, top_p=5e-324)):
         done = threading.Event()
         loop.add_request([3, 4], params, on_output=lambda o: o.finished and done.set())
         assert done.wait(60)
@@ -74,8 +73,8 @@ def test_vanishing_temperature_and_top_p_sample_without_error(loop):
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(loop):
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=123)
-    alone = Engine(EngineConfig(model="tiny"), loaded=loop.engine.loaded).generate([[5, 6, 7]],
-                                                                                   params)[0].token_ids
+    engine = Engine(EngineConfig(model="tiny"), loaded=loop.engine.loaded)
+    alone = engine.generate([[5, 6, 7]], params)[0].token_ids
     crowd = Engine(EngineConfig(model="tiny"), loaded=loop.engine.loaded).generate(
         [[5, 6, 7], [8] * 20, [9] * 3], [params, SamplingParams(max_tokens=8, temperature=1.0, seed=1),
                                           SamplingParams(max_tokens=8)])[0].token_ids

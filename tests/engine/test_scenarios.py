@@ -40,8 +40,8 @@ def test_a_long_prefill_shares_a_step_with_every_decode_row_until_the_threshold_
     events = run_scenario(scenario, 100, loaded=tiny)
     threshold_step = scenario.phases[0][0]
     planned = of(events, ev.StepPlanned)
-    assert any(p.prefill_tokens == 1536
-               and p.num_decode_rows >= 8 for p in planned if p.step < threshold_step)
+    assert any(p.prefill_tokens == 1536 and p.num_decode_rows >= 8
+               for p in planned if p.step < threshold_step)
     after = [p for p in planned if p.step >= threshold_step]
     # the second long prompt, chunked
     assert max(p.prefill_tokens + p.recompute_tokens for p in after) == 64

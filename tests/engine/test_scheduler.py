@@ -213,8 +213,8 @@ def test_update_from_output_stops_on_eos_stop_ids_and_max_tokens():
         sched.add(Request(rid, [5, 6, 7], sampling, 0.0, arrival_seq=next(_seq)))
     plan, result = step_with_tokens(sched, [2, 2, 9, 3], now=1.5)
     assert [(s.request.request_id, s.token_id, s.first, s.finish_reason) for s in result.sampled] == [
-        ("eos", 2, True, "stop"), ("ignore", 2, True, None), ("stop_id", 9, True, "stop"), ("length", 3,
-                                                                                            True, "length")]
+        ("eos", 2, True, "stop"), ("ignore", 2, True, None), ("stop_id", 9, True, "stop"),
+        ("length", 3, True, "length")]
     assert [(c.request_id, c.num_tokens, c.num_computed_tokens, c.num_known_tokens, c.recompute)
             for c in result.chunks] == [(rid, 3, 3, 3, False) for rid in params]
     ignore = plan.rows[1].request

@@ -143,8 +143,8 @@ def test_the_tile_unit_product_is_as_accurate_as_the_fma_path(rows, out_features
     packed = cpu.pack_linear(weight)
     # x over many binades: its three bf16 parts must carry all 24 bits of every value
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, in_features, generator=g) * 2.0 ** torch.randint(-30, 30,
-                                                                           (rows, in_features), generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    x = x * 2.0 ** torch.randint(-30, 30, (rows, in_features), generator=g)
     tiles, fma = cpu.packed_linear(x, packed, amx_min_rows=1), cpu.packed_linear(x, packed, amx_min_rows=None)
     assert not torch.equal(tiles, fma), "another summation order: the tile path ran"
     assert max_error(tiles, x, weight) <= 1.5 * max_error(fma, x, weight)
@@ -215,8 +215,8 @@ def test_rope_and_cache_rotates_like_transformers_and_stores_k_and_v():
     torch.testing.assert_close(v_cache.view(-1, kv_heads, dim)[slot_mapping], want_v, atol=0, rtol=0)
     untouched = torch.ones(20, dtype=torch.bool)
     untouched[slot_mapping] = False
-    assert k_cache.view(20, -1)[untouched].abs().sum() == 0 and v_cache.view(20,
-                                                                             -1)[untouched].abs().sum() == 0
+    assert k_cache.view(20, -1)[untouched].abs().sum() == 0
+    assert v_cache.view(20, -1)[untouched].abs().sum() == 0
 
 
 @pytest.mark.parametrize("tokens", [1, 33])

@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from batchtop.engine.core.config import EngineConfig
-from batchtop.engine.core.knobs import KNOBS, markdown_table
+from batchtop.engine.core.knobs import DASHBOARD_KNOBS, KNOBS, markdown_table
 from batchtop.tui import app as tui_app
-from batchtop.tui.sources import ENGINE_KNOBS, LOAD_KNOBS
+from batchtop.tui.sources import LOAD_KNOBS
 
 CAPACITY = EngineConfig().batch_capacity     # the served engine's (tests/server/conftest.py)
 DOCS = Path(__file__).parents[2] / "docs" / "server.md"
@@ -66,12 +66,13 @@ def test_api_lists_every_knob_with_its_range(http):
 
 
 def test_dashboard_sets_the_tables_dashboard_knobs_with_its_choices():
-    assert ENGINE_KNOBS == tuple(name for name, knob in KNOBS.items() if knob.dashboard)
+    assert tui_app.DASHBOARD_KNOBS == ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+                                       "batching_mode")
     assert tui_app.BATCHING_MODES == KNOBS["batching_mode"].choices
     actions = " ".join(binding.action for binding in tui_app.BatchtopApp.BINDINGS)
     keyed = set(re.findall(r"(?:knob_step|cycle_knob)\('(\w+)'", actions))
-    assert keyed & set(ENGINE_KNOBS) and keyed <= set(ENGINE_KNOBS + LOAD_KNOBS)
-    assert set(tui_app.KNOB_ALIASES.values()) <= set(ENGINE_KNOBS + LOAD_KNOBS)
+    assert keyed & set(DASHBOARD_KNOBS) and keyed <= set(DASHBOARD_KNOBS + LOAD_KNOBS)
+    assert set(tui_app.KNOB_ALIASES.values()) <= set(DASHBOARD_KNOBS + LOAD_KNOBS)
 
 
 def test_docs_state_the_tables_ranges():

@@ -89,8 +89,8 @@ def test_every_request_arrives_is_admitted_and_retires_with_its_usage(vllm_serve
                                                 + recomputed - cache_hits)
     steps = [e for e in events if isinstance(e, ev.StepFinished) and e.t > started]
     planned = [e for e in events if isinstance(e, ev.StepPlanned) and e.t > started]
-    assert [e.step for e in steps] == [e.step for e in planned] == list(range(steps[0].step,
-                                                                              steps[-1].step + 1))
+    every_step = list(range(steps[0].step, steps[-1].step + 1))
+    assert [e.step for e in steps] == [e.step for e in planned] == every_step
     # the rows' split adds up to what vLLM scheduled (its SchedulerOutput.total_num_scheduled_tokens)
     assert sum(e.prefill_tokens + e.decode_tokens for e in planned) == sum(e.num_tokens for e in steps)
     assert sum(computed_tokens(events, rid) for rid in ids.values()) == sum(e.num_tokens for e in steps)
@@ -157,8 +157,8 @@ def test_pause_holds_every_step_and_resume_completes_every_request(vllm_server, 
     assert any(isinstance(e, ev.EnginePaused) and e.t > started for e in held)
     assert not [e for e in held if isinstance(e, (ev.StepPlanned, ev.RequestAdmitted)) and e.t > started]
     assert all(r.usage.completion_tokens == 16 for r in responses)
-    events = follower.wait_for(lambda evs: any(isinstance(e, ev.EngineResumed)
-                                               and e.t > started for e in evs))
+    events = follower.wait_for(
+        lambda evs: any(isinstance(e, ev.EngineResumed) and e.t > started for e in evs))
     assert sum(isinstance(e, ev.RequestRetired) and e.t > started for e in events) >= 4
 
 
@@ -251,8 +251,8 @@ def test_a_late_subscriber_gets_a_snapshot_equal_to_the_events_folded_from_the_s
 
     started = time.monotonic()
     asyncio.run(load_and_join())
-    events = follower.wait_for(lambda evs: any(isinstance(e, ev.EngineSnapshot)
-                                               and e.t > started for e in evs))
+    events = follower.wait_for(
+        lambda evs: any(isinstance(e, ev.EngineSnapshot) and e.t > started for e in evs))
     folded = BatchState()
     for event in events:
         if isinstance(event, ev.EngineSnapshot) and event.t > started:
