@@ -66,8 +66,8 @@ def test_api_lists_every_knob_with_its_range(http):
 
 
 def test_dashboard_sets_the_tables_dashboard_knobs_with_its_choices():
-    assert tui_app.DASHBOARD_KNOBS == ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                                       "batching_mode")
+    assert tui_app.DASHBOARD_KNOBS == (
+        "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "batching_mode")
     assert tui_app.BATCHING_MODES == KNOBS["batching_mode"].choices
     actions = " ".join(binding.action for binding in tui_app.BatchtopApp.BINDINGS)
     keyed = set(re.findall(r"(?:knob_step|cycle_knob)\('(\w+)'", actions))
