@@ -66,7 +66,8 @@ def run(args) -> dict:
         return samples
     finally:
         if follower is not None:
-            print(f"the client followed {follower.num_events} events", file=sys.stderr)
+            print(f"the client followed {follower.num_events} events ({follower.num_empty} without data)",
+                  file=sys.stderr)
         for server in servers.values():
             os.killpg(server.pgid, signal.SIGCONT)
             server.stop()
@@ -77,15 +78,20 @@ class EventFollower:
 
     def __init__(self, url: str):
         self.num_events = 0
+        self.num_empty = 0              # messages with an id and no data (seen across SIGSTOP / SIGCONT)
         threading.Thread(target=self._follow, args=(url,), daemon=True).start()
 
     def _follow(self, url: str) -> None:
         with httpx.Client(base_url=url, timeout=None) as client, \
                 connect_sse(client, "GET", "/v1/events") as source:
             for message in source.iter_sse():
-                if message.event == "message":
-                    decode_event(message.data)
-                    self.num_events += 1
+                if message.event != "message":
+                    continue
+                if not message.data:
+                    self.num_empty += 1
+                    continue
+                decode_event(message.data)
+                self.num_events += 1
 
 
 def render(args, samples: dict) -> str:
