@@ -152,21 +152,23 @@ async def event_stream(ring: EventRing, start: int, hello: dict, notice: dict | 
 
 
 def events_response(ring: EventRing, last_event_id: str | None, from_step: int | None, hello: dict, *,
-                    closing=lambda: False, heartbeat_s: float = HEARTBEAT_S,
+                    closing=lambda: False, heartbeat_s: float | None = None,
                     on_join=None) -> EventSourceResponse:
     """The `GET /v1/events` answer; ValueError when `Last-Event-ID` is not an event seq. `on_join()` is
     called when the stream joins live or after a gap (the client holds no exact state: the engine
     should publish a snapshot).
 
-    sse-starlette sends a `: keep-alive` comment every `heartbeat_s` (clients detect dead peers)
-    and ends the stream when the client goes away or uvicorn shuts down."""
+    sse-starlette sends a `: keep-alive` comment every `heartbeat_s` (default HEARTBEAT_S; clients
+    detect dead peers) and ends the stream when the client goes away or uvicorn shuts down. A client
+    library may hand a keep-alive on as a message without data (httpx-sse does, with the last id):
+    clients skip those."""
     if last_event_id is not None and not last_event_id.strip().isdigit():
         raise ValueError(f"Last-Event-ID must be an event seq (an integer), got {last_event_id!r}")
     start, notice = resolve_start(ring, last_event_id.strip() if last_event_id else None, from_step)
     if on_join is not None and (notice is not None or start == ring.next_seq):
         on_join()
     return EventSourceResponse(event_stream(ring, start, hello, notice, closing=closing), headers=SSE_HEADERS,
-                               sep=SSE_SEP, ping=heartbeat_s,
+                               sep=SSE_SEP, ping=HEARTBEAT_S if heartbeat_s is None else heartbeat_s,
                                ping_message_factory=_keep_alive)
 
 

@@ -154,7 +154,7 @@ class RemoteSource(Source):
                         return True            # a new server: reconnect from its start
                 elif message.event == "gap":
                     self._gap(message.json())
-                elif message.event == "message":
+                elif message.event == "message" and message.data:     # no data: a keep-alive
                     self._event(message.data, message.id or None)
         self.last_error = "the server closed the stream"
         return greeted

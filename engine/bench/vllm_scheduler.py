@@ -66,7 +66,7 @@ def run(args) -> dict:
         return samples
     finally:
         if follower is not None:
-            print(f"the client followed {follower.num_events} events ({follower.num_empty} without data)",
+            print(f"the client followed {follower.num_events} events ({follower.num_empty} keep-alives)",
                   file=sys.stderr)
         for server in servers.values():
             os.killpg(server.pgid, signal.SIGCONT)
@@ -78,7 +78,7 @@ class EventFollower:
 
     def __init__(self, url: str):
         self.num_events = 0
-        self.num_empty = 0              # messages with an id and no data (seen across SIGSTOP / SIGCONT)
+        self.num_empty = 0              # keep-alives: httpx-sse hands them on without data
         threading.Thread(target=self._follow, args=(url,), daemon=True).start()
 
     def _follow(self, url: str) -> None:

@@ -9,6 +9,7 @@ import httpx
 from server_helpers import wait_idle
 
 from batchtop.engine.server.app import BatchtopServer, ServerThread
+from batchtop.telemetry import stream
 from batchtop.telemetry.events import EventsDropped, KnobChanged, StepFinished
 from batchtop.tui.remote_source import RemoteSource
 
@@ -188,6 +189,24 @@ def test_remote_source_follows_controls_and_resumes(served):
         more = _poll_until(source, lambda evs: source.last_seq == end - 1)
         assert source.last_seq == end - 1 and not any(isinstance(e, EventsDropped) for e in more)
         assert seq_before < end - 1
+    finally:
+        source.close()
+        front.stop()
+
+
+def test_remote_source_stays_connected_through_keep_alives(served, monkeypatch):
+    """httpx-sse hands a keep-alive after an event on as a message without data (and the last id); the
+    dashboard's source skips it instead of failing on it and reconnecting."""
+    monkeypatch.setattr(stream, "HEARTBEAT_S", 0.1)
+    server = BatchtopServer(served[0].loop, served[0].subscription._bus)
+    front = ServerThread(server).start()
+    source = RemoteSource(front.url, backoff_s=(0.1, 0.5)).start()
+    try:
+        _wait(lambda: source.connected)
+        generate(front.url, n=1)
+        _poll_until(source, lambda evs: any(isinstance(e, StepFinished) for e in evs))
+        time.sleep(1.0)                                           # ~10 keep-alives after the events
+        assert source.connected and source.num_connects == 1, source.last_error
     finally:
         source.close()
         front.stop()
