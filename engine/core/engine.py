@@ -87,11 +87,8 @@ class Engine:
         block_bytes = ModelDims.of(model_config).kv_bytes_per_token(dtype) * config.block_size
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_mb * 2**20 // block_bytes))
         self.kv = KVCacheManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            SchedulerKnobs(config.max_num_seqs, config.max_num_batched_tokens,
-                           config.long_prefill_token_threshold, config.batching_mode,
-                           config.static_batch_size, config.dynamic_timeout_s, config.preemption_mode),
-            self.kv, config.policy, frozenset(self.loaded.eos_token_ids))
+        self.scheduler = Scheduler(SchedulerKnobs.of(config), self.kv, config.policy,
+                                   frozenset(self.loaded.eos_token_ids))
         self._pending_batching_mode: tuple[str, str] | None = None   # (mode, source) until a batch boundary
         self.batch = PersistentBatch(config.layout, config.batch_capacity, self.max_model_len,
                                      -(-self.max_model_len // config.block_size))

@@ -13,7 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from .admission import NEXT_STEP, Blocked, WaitClock
-from .knobs import POLICIES
+from .config import EngineConfig
+from .knobs import KNOBS, POLICIES
 from .kv_cache import KVCacheManager
 from .request import Request, Status
 from .scheduler_output import (
@@ -31,14 +32,19 @@ from .scheduler_output import (
 
 @dataclass
 class SchedulerKnobs:
-    """The admission knobs; the engine changes them between steps."""
+    """The live knobs' values (what each means and takes: knobs.KNOBS); the engine changes them between
+    steps. Unset ones start at EngineConfig's defaults."""
     max_num_seqs: int
     max_num_batched_tokens: int
-    long_prefill_token_threshold: int = 0   # 0: a request may take the whole remaining budget
-    batching_mode: str = "continuous"       # continuous | static | dynamic
-    static_batch_size: int = 8              # B of static and dynamic batches
-    dynamic_timeout_s: float = 0.5          # dynamic: form a partial batch once the oldest waited this long
-    preemption_mode: str = "recompute"      # recompute | retract
+    long_prefill_token_threshold: int = EngineConfig.long_prefill_token_threshold
+    batching_mode: str = EngineConfig.batching_mode
+    static_batch_size: int = EngineConfig.static_batch_size
+    dynamic_timeout_s: float = EngineConfig.dynamic_timeout_s
+    preemption_mode: str = EngineConfig.preemption_mode
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> SchedulerKnobs:
+        return cls(**{name: getattr(config, name) for name in KNOBS})
 
 
 # Retraction's admission estimate (SGLang's new_token_ratio): the share of each running

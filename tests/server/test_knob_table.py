@@ -2,6 +2,7 @@
 the dashboard's keys and docs/server.md all refuse, offer and state what the table says."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.knobs import DASHBOARD_KNOBS, KNOBS, markdown_table
+from batchtop.engine.core.scheduler import SchedulerKnobs
 from batchtop.tui import app as tui_app
 from batchtop.tui.sources import LOAD_KNOBS
 
@@ -77,3 +79,10 @@ def test_dashboard_sets_the_tables_dashboard_knobs_with_its_choices():
 
 def test_docs_state_the_tables_ranges():
     assert markdown_table() in DOCS.read_text()
+
+
+def test_the_schedulers_knobs_are_the_tables():
+    """SchedulerKnobs holds exactly the table's knobs, built from the config by name."""
+    assert [f.name for f in dataclasses.fields(SchedulerKnobs)] == list(KNOBS)
+    config = EngineConfig(model="tiny", max_num_seqs=3, batching_mode="static", dynamic_timeout_s=2.0)
+    assert dataclasses.asdict(SchedulerKnobs.of(config)) == {name: getattr(config, name) for name in KNOBS}
