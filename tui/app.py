@@ -19,11 +19,12 @@ from textual.widgets import ContentSwitcher, Footer, Static
 
 from batchtop.engine.core.knobs import BATCHING_MODES, DASHBOARD_KNOBS
 from batchtop.engine.workload.arrivals import DISTRIBUTIONS as LENGTH_DISTS
+from batchtop.engine.workload.arrivals import LOAD_KNOBS
 
 from .model import DashboardModel
 from .plots import PLOT_WINDOWS_S, PLOTS, PlotPanel
 from .screens import ConfirmScreen, HelpScreen, PromptScreen
-from .sources import LOAD_KNOBS, Source
+from .sources import Source
 from .tables import COLUMNS, EventLogView, RequestTable
 from .widgets import HeaderBar, KvPanel, SlotGrid, TimelineView
 

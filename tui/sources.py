@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from batchtop.engine.workload.arrivals import LOAD_KNOBS
 from batchtop.telemetry.events import Event, EventsDropped, StepFinished
 
-LOAD_KNOBS = ("load_rate", "length_dist")
 REPLAY_SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0)
 READ_ONLY = "replay: knobs are read-only"
 

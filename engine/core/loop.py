@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from batchtop.engine.workload.arrivals import DISTRIBUTIONS, synthetic_prompt
+from batchtop.engine.workload.arrivals import check_load_knob, synthetic_prompt
 
 from .engine import Engine, RequestOutput
 from .sampling import SamplingParams
@@ -102,18 +102,10 @@ class EngineLoop:
         load = self.load
         if load is None or not hasattr(load, "set_rate"):
             return "no load generator is running"
-        if name == "load_rate":
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                value = float("nan")
-            if not 0 <= value <= 10_000:
-                return "load rate must be in [0, 10000] requests/s"
-        elif name == "length_dist":
-            if value not in DISTRIBUTIONS:
-                return f"length distribution must be one of {', '.join(DISTRIBUTIONS)}, got {value!r}"
-        else:
-            return f"unknown load knob {name!r}; load knobs: load_rate, length_dist"
+        try:
+            value = check_load_knob(name, value)
+        except ValueError as error:
+            return str(error)
 
         def apply():
             if name == "load_rate":

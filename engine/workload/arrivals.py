@@ -12,6 +12,28 @@ import random
 from dataclasses import dataclass
 
 DISTRIBUTIONS = ("fixed", "uniform", "exponential", "pareto")
+MAX_RATE = 10_000
+LOAD_KNOBS = ("load_rate", "length_dist")     # a running PoissonLoad's knobs, set live
+
+
+def check_load_knob(name: str, value):
+    """The value to set (a rate as a float), or ValueError naming what the knob takes."""
+    if name == "load_rate":
+        rate = value
+        if isinstance(value, str):
+            try:
+                rate = float(value)
+            except ValueError:
+                pass
+        if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and math.isfinite(rate)
+                                          and 0 <= rate <= MAX_RATE):
+            raise ValueError(f"load rate must be in [0, {MAX_RATE}] requests/s, got {value!r}")
+        return float(rate)
+    if name == "length_dist":
+        if value not in DISTRIBUTIONS:
+            raise ValueError(f"length distribution must be one of {', '.join(DISTRIBUTIONS)}, got {value!r}")
+        return value
+    raise ValueError(f"unknown load knob {name!r}; load knobs: {', '.join(LOAD_KNOBS)}")
 
 
 @dataclass(frozen=True)
@@ -27,9 +49,7 @@ class LengthDist:
     alpha: float = 1.5
 
     def __post_init__(self):
-        if self.kind not in DISTRIBUTIONS:
-            raise ValueError(f"length distribution must be one of {', '.join(DISTRIBUTIONS)}, got "
-                             f"{self.kind!r}")
+        check_load_knob("length_dist", self.kind)
         if not 1 <= self.low <= self.high:
             raise ValueError(f"need 1 <= low <= high, got low={self.low}, high={self.high}")
         if not self.mean > 0 or not self.alpha > 0:
@@ -66,9 +86,7 @@ class PoissonLoad:
         self.set_rate(rate)
 
     def set_rate(self, rate: float) -> None:
-        if not (isinstance(rate, (int, float)) and 0 <= rate <= 10_000 and math.isfinite(rate)):
-            raise ValueError(f"load rate must be in [0, 10000] requests/s, got {rate!r}")
-        self.rate = float(rate)
+        self.rate = check_load_knob("load_rate", rate)
         self._next_s = self._last_s + self._gap()
 
     def start_at(self, elapsed_s: float) -> None:

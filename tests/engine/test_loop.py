@@ -82,3 +82,16 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(loop):
     unseeded = Engine(EngineConfig(model="tiny"), loaded=loop.engine.loaded).generate(
         [[5, 6, 7]] * 2, SamplingParams(max_tokens=8, temperature=5.0))
     assert unseeded[0].token_ids != unseeded[1].token_ids
+
+
+def test_load_knobs_are_checked_by_the_load_itself(loop):
+    """The loop refuses what the load's own check refuses, with the same words, and changes nothing."""
+    from batchtop.engine.workload.arrivals import LengthDist, PoissonLoad, check_load_knob
+    loop.load = PoissonLoad(0.0, LengthDist(), LengthDist())
+    for name, value in (("load_rate", -1), ("load_rate", "fast"), ("load_rate", float("inf")),
+                        ("length_dist", "normal"), ("burst", 3)):
+        with pytest.raises(ValueError) as refused:
+            check_load_knob(name, value)
+        assert loop.set_load_knob(name, value) == str(refused.value)
+    assert loop.load.rate == 0.0 and loop.load.output.kind == "exponential"
+    assert check_load_knob("load_rate", "2.5") == 2.5

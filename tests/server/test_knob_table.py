@@ -12,8 +12,8 @@ import pytest
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.knobs import DASHBOARD_KNOBS, KNOBS, markdown_table
 from batchtop.engine.core.scheduler import SchedulerKnobs
+from batchtop.engine.workload.arrivals import LOAD_KNOBS
 from batchtop.tui import app as tui_app
-from batchtop.tui.sources import LOAD_KNOBS
 
 CAPACITY = EngineConfig().batch_capacity     # the served engine's (tests/server/conftest.py)
 DOCS = Path(__file__).parents[2] / "docs" / "server.md"
