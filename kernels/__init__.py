@@ -14,6 +14,7 @@ the torch reference is imported on first use, the triton module on first use of 
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -51,10 +52,12 @@ def select_backend(name: str) -> str:
 
 def resolve_backend(device: torch.device | str) -> str:
     """The concrete backend (`torch` or `triton`) that calls on tensors on `device` will use."""
-    import torch
     name = _requested()
     if name == "auto":
-        return "triton" if torch.device(device).type == "cuda" else "torch"
+        if isinstance(device, str):
+            import torch
+            device = torch.device(device)
+        return "triton" if device.type == "cuda" else "torch"
     return name
 
 
@@ -119,13 +122,19 @@ def _check_name(name: str, where: str) -> str:
 
 def _impl(device: torch.device) -> ModuleType:
     if resolve_backend(device) == "torch":
-        from batchtop.kernels import attention_torch
-        return attention_torch
+        return _torch_reference()
     from batchtop.kernels import (
         attention_triton,  # deferred: triton reads TRITON_INTERPRET when kernels are defined
     )
 
     return attention_triton
+
+
+@functools.cache
+def _torch_reference() -> ModuleType:
+    """The torch path, imported (with torch) on first use; a cached call after that."""
+    from batchtop.kernels import attention_torch
+    return attention_torch
 
 
 def __getattr__(name: str):
