@@ -87,11 +87,13 @@ def match(a: dict[str, Timeline], b: dict[str, Timeline], name_a: str = "A",
     if len(a) != len(b):
         raise ValueError(f"{name_a} and {name_b} are recordings of different traces: "
                          f"{len(a)} vs {len(b)} requests")
-    pairs = list(zip(sorted(a.values(), key=lambda t: t.arrival), sorted(b.values(), key=lambda t: t.arrival)))
+    by_arrival = (lambda runs: sorted(runs.values(), key=lambda t: t.arrival))
+    pairs = list(zip(by_arrival(a), by_arrival(b)))
     for i, (x, y) in enumerate(pairs):
         if x.num_prompt_tokens != y.num_prompt_tokens:
             raise ValueError(f"{name_a} and {name_b} are recordings of different traces: arrival {i} has "
-                             f"{x.num_prompt_tokens} prompt tokens in {name_a}, {y.num_prompt_tokens} in {name_b}")
+                             f"{x.num_prompt_tokens} prompt tokens in {name_a}, "
+                             f"{y.num_prompt_tokens} in {name_b}")
     return pairs, "by arrival order and prompt length"
 
 
@@ -122,8 +124,8 @@ class Diff:
                 "unchanged": sum(x == 0 for x in e2e),
                 "median_delta_ttft_s": statistics.median(ttft) if ttft else None,
                 "median_delta_e2e_s": statistics.median(e2e) if e2e else None,
-                "mean_delta_by_part_s": parts, "max_abs_residual_ns": max((abs(d.residual) for d in self.deltas),
-                                                                          default=0),
+                "mean_delta_by_part_s": parts,
+                "max_abs_residual_ns": max((abs(d.residual) for d in self.deltas), default=0),
                 "first_divergent_step": self.first_divergence}
 
 
@@ -142,9 +144,10 @@ def diff_events(events_a, events_b, name_a: str = "A", name_b: str = "B") -> Dif
                                    (len(x.evictions), len(y.evictions)), (x.reason, y.reason)))
     rename = {y.request_id: x.request_id for x, y in pairs}
     sig_a, sig_b = signatures(events_a), signatures(events_b, rename)
-    first = next((step for step in sorted(set(sig_a) | set(sig_b)) if sig_a.get(step) != sig_b.get(step)), None)
-    changes = tuple([(e.step, e.name, e.old, e.new, e.source) for e in events if isinstance(e, ev.KnobChanged)]
-                    for events in (events_a, events_b))
+    steps = sorted(set(sig_a) | set(sig_b))
+    first = next((step for step in steps if sig_a.get(step) != sig_b.get(step)), None)
+    changes = tuple([(e.step, e.name, e.old, e.new, e.source) for e in events
+                     if isinstance(e, ev.KnobChanged)] for events in (events_a, events_b))
     return Diff(matched_by, deltas, unfinished, first, changes)
 
 
@@ -163,14 +166,16 @@ def format_diff(result: Diff, headers: tuple[dict, dict], names: tuple[str, str]
     first = s["first_divergent_step"]
     lines.append(f"matched {s['requests']} requests {s['matched_by']}"
                  + (f" ({s['unfinished']} unfinished in a run, left out)" if s["unfinished"] else ""))
-    lines.append("schedules identical" if first is None else f"first step whose scheduled requests differ: {first}")
+    lines.append("schedules identical" if first is None
+                 else f"first step whose scheduled requests differ: {first}")
     lines.append(f"B vs A: {s['gained']} gained, {s['lost']} lost, {s['unchanged']} unchanged (end to end); "
                  f"median dTTFT {_s(s['median_delta_ttft_s'])}, median dE2E {_s(s['median_delta_e2e_s'])}")
     parts = s["mean_delta_by_part_s"]
     lines.append("mean dE2E by part: " + ", ".join(f"{p} {_s(parts[p])}" for p in PARTS)
                  + f"; residual {s['max_abs_residual_ns']} ns")
     ranked = sorted(result.deltas, key=lambda d: d.delta["e2e"])
-    header = f"{'request':>10} {'dTTFT':>9} {'dE2E':>9} " + " ".join(f"{'d' + p:>11}" for p in PARTS) + "  preempt"
+    header = (f"{'request':>10} {'dTTFT':>9} {'dE2E':>9} " + " ".join(f"{'d' + p:>11}" for p in PARTS)
+              + "  preempt")
     for title, chosen in (("gained most", ranked[:top]), ("lost most", ranked[::-1][:top])):
         chosen = [d for d in chosen if d.delta["e2e"] != 0]
         if not chosen:

@@ -78,9 +78,10 @@ class WhatIf:
                 "setup": self.recording.setup.to_dict(), "assumed": list(self.recording.setup.assumed),
                 "knobs": self.recording.setup.knobs,
                 "identity": {"steps": self.identity.num_steps, "matching": self.identity.num_matching,
-                             "share": self.identity.match_share, "first_mismatch": self.identity.first_mismatch},
+                             "share": self.identity.match_share,
+                             "first_mismatch": self.identity.first_mismatch},
                 "fit": {"law": law.name, "forward": law.describe(), "heldout_mape": law.heldout_mape,
-                        "gap_s": self.model.gap_s},
+                        "gap_s": self.model.gap_s, "mean_slowdown": self.model.mean_slowdown},
                 "note": NOTE_LENGTHS, "runs": [run.row() for run in self.runs]}
 
 
@@ -141,7 +142,8 @@ def format_table(result: WhatIf) -> str:
              f"identity replay (recorded step times): {identity.num_matching} of {identity.num_steps} steps "
              f"scheduled as recorded ({identity.match_share:.1%})"
              + (f", first difference at step {identity.first_mismatch}" if identity.first_mismatch else ""),
-             f"step time: {law.name} law, forward = {law.describe()}; held-out MAPE {law.heldout_mape:.1%}",
+             f"step time: {law.name} law, forward = {law.describe()}; held-out MAPE {law.heldout_mape:.1%}; "
+             f"times a recorded slowdown (mean {result.model.mean_slowdown:.2f}x)",
              NOTE_LENGTHS]
     if rec.setup.assumed:
         lines.append("not in the recording, engine defaults assumed: " + ", ".join(rec.setup.assumed))

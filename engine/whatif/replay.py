@@ -77,7 +77,11 @@ def signatures(events, rename: dict[str, str] | None = None) -> dict[int, tuple]
     """Per step, what the scheduler decided: the plan's counts, who was admitted, preempted, chunked,
     sampled and retired (request ids through `rename` where given). Two runs scheduled alike have
     equal signatures."""
-    name = (lambda request_id: rename.get(request_id, request_id)) if rename else (lambda request_id: request_id)
+    rename = rename or {}
+
+    def name(request_id: str) -> str:
+        return rename.get(request_id, request_id)
+
     parts: dict[int, list] = defaultdict(list)
     for e in events:
         kind = type(e)

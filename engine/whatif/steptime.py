@@ -1,15 +1,20 @@
 """Step time from a recording's own StepFinished timings: no profiling run.
 
 The forward pass is fitted on what each step computed (`StepShape`: prefill tokens, decode rows,
-context tokens read, prefill attention work) by several linear laws with non-negative coefficients;
+context tokens read, prefill attention work) by several linear laws with non-negative coefficients,
+each fitted to minimise the relative error (robust to steps slowed by other work on the machine);
 the law with the lowest held-out error (MAPE over 5 interleaved folds) wins and is refitted on every
-step. The other phases (schedule, prepare, sample, update) are fitted linear in the rows; the gap
-between back-to-back steps (the loop's own time) is the recorded median. A step whose shape lies
-beyond what the recording saw is counted as extrapolated, with how far.
+step. A predicted forward time is the law times a slowdown drawn (seeded) from the recording's own
+ratios of measured to fitted time at the same number of rows: a shared machine slows some steps
+many-fold, and queues grow with the mean step, not the typical one. The other phases (schedule,
+prepare, sample, update) are fitted linear in the rows; the gap between back-to-back steps (the
+loop's own time) is drawn from the recorded gaps. A step whose shape lies beyond what the recording
+saw is counted as extrapolated, with how far.
 """
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +61,20 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         active.remove(min(negative, key=lambda j: coef[j]))
 
 
+def relative_l1_fit(x: np.ndarray, y: np.ndarray, iterations: int = 30) -> np.ndarray:
+    """Non-negative coefficients that minimise the mean relative error (the MAPE itself), by iteratively
+    reweighted least squares: a recording made beside other work has steps slowed many-fold, and a
+    squared-error fit would chase them."""
+    keep = y > 0
+    x, y = x[keep], y[keep]
+    coef = nonnegative_lstsq(x / y[:, None], np.ones(len(y)))
+    for _ in range(iterations):
+        residual = np.abs(x @ coef - y) / y
+        weight = 1.0 / np.sqrt(np.maximum(residual, 1e-6) * 1.0)
+        coef = nonnegative_lstsq(x / y[:, None] * weight[:, None], weight)
+    return coef
+
+
 def mape(predicted: np.ndarray, actual: np.ndarray) -> float:
     keep = actual > 0
     return float(np.mean(np.abs(predicted[keep] - actual[keep]) / actual[keep]))
@@ -89,9 +108,9 @@ def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[s
         errors = []
         for k in range(NUM_FOLDS):
             train, test = fold != k, fold == k
-            coef = nonnegative_lstsq(x[train], y[train])
+            coef = relative_l1_fit(x[train], y[train])
             errors.append(mape(x[test] @ coef, y[test]))
-        law = Law(name, names, tuple(nonnegative_lstsq(x, y)), float(np.mean(errors)))
+        law = Law(name, names, tuple(relative_l1_fit(x, y)), float(np.mean(errors)))
         if best is None or law.heldout_mape < best.heldout_mape - 1e-9:
             best = law
     return best
@@ -102,11 +121,26 @@ class StepTimeModel:
     """Predicted phases of a step; counts the steps it had to extrapolate."""
     forward: Law
     overhead: dict[str, tuple[float, float]]    # phase: (intercept, per row)
-    gap_s: float
+    gaps: tuple[float, ...]                      # recorded gaps between back-to-back steps
+    ratios: dict[int, tuple[float, ...]]         # rows: recorded forward time / the law's, per step
     seen: dict[str, float]                       # the recorded maximum of each feature
+    seed: int = 0
     num_predicted: int = 0
     num_extrapolated: int = 0
     max_beyond: dict[str, float] = field(default_factory=dict)   # feature: the largest ratio to `seen`
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._rng = random.Random(self.seed)
+
+    @property
+    def gap_s(self) -> float:
+        return float(np.mean(self.gaps)) if self.gaps else 0.0
+
+    @property
+    def mean_slowdown(self) -> float:
+        every = [r for ratios in self.ratios.values() for r in ratios]
+        return float(np.mean(every)) if every else 1.0
 
     def __call__(self, shape: StepShape) -> PhaseTimes:
         self.num_predicted += 1
@@ -119,12 +153,22 @@ class StepTimeModel:
                 self.max_beyond[name] = max(self.max_beyond.get(name, 0.0), ratio)
         self.num_extrapolated += beyond
         over = {phase: a + b * shape.num_rows for phase, (a, b) in self.overhead.items()}
-        return PhaseTimes(over["schedule_s"], over["prepare_s"], max(self.forward.predict(shape), 0.0),
-                          over["sample_s"], over["update_s"], self.gap_s)
+        gap = self._rng.choice(self.gaps) if self.gaps else 0.0
+        forward = max(self.forward.predict(shape), 0.0) * self._slowdown(shape.num_rows)
+        return PhaseTimes(over["schedule_s"], over["prepare_s"], forward, over["sample_s"], over["update_s"],
+                          gap)
+
+    def _slowdown(self, num_rows: int) -> float:
+        if not self.ratios:
+            return 1.0
+        ratios = self.ratios.get(num_rows)
+        if ratios is None:
+            ratios = self.ratios[min(self.ratios, key=lambda rows: abs(rows - num_rows))]
+        return self._rng.choice(ratios)
 
     def fresh(self) -> StepTimeModel:
         """The same model with its counts at zero (one per what-if run)."""
-        return StepTimeModel(self.forward, self.overhead, self.gap_s, self.seen)
+        return StepTimeModel(self.forward, self.overhead, self.gaps, self.ratios, self.seen, self.seed)
 
     def extrapolation(self) -> str | None:
         """None when every predicted step lay within the recording's shapes."""
@@ -149,5 +193,11 @@ def fit_model(shapes: list[StepShape], finished: list, gaps: list[float]) -> Ste
         overhead[phase] = (float(a), float(b))
     seen = {name: float(max(feature(s, name) for s in shapes))
             for name in ("num_rows", "prefill_tokens", "decode_rows", "context_tokens")}
-    gap = float(np.median(gaps)) if gaps else 0.0
-    return StepTimeModel(forward, overhead, max(gap, 0.0), seen)
+    measured = np.asarray([e.forward_s for e in finished])
+    fitted = np.asarray([forward.predict(s) for s in shapes])
+    ratios: dict[int, list[float]] = {}
+    for shape, m, f in zip(shapes, measured, fitted):
+        if m > 0 and f > 0:
+            ratios.setdefault(shape.num_rows, []).append(float(m / f))
+    ratios = {rows: tuple(values) for rows, values in ratios.items()}
+    return StepTimeModel(forward, overhead, tuple(max(g, 0.0) for g in gaps), ratios, seen)

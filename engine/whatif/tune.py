@@ -65,7 +65,8 @@ def _range(low: int, high: int) -> list[int]:
 
 def meets(run: Run, slo: dict[str, float]) -> bool:
     row = run.row()
-    return all(row[f"{metric}_s"] is not None and row[f"{metric}_s"] <= bound for metric, bound in slo.items())
+    values = {metric: row[f"{metric}_s"] for metric in slo}
+    return all(values[metric] is not None and values[metric] <= bound for metric, bound in slo.items())
 
 
 @dataclass

@@ -169,7 +169,8 @@ class VirtualEngine:
 
     def _token(self, request: Request) -> int:
         stops_at = self._stops_at.get(request.request_id)
-        return STOP_TOKEN if stops_at is not None and request.num_output_tokens + 1 >= stops_at else OUTPUT_TOKEN
+        last = stops_at is not None and request.num_output_tokens + 1 >= stops_at
+        return STOP_TOKEN if last else OUTPUT_TOKEN
 
 
 def _shape(batch_step: BatchStep) -> StepShape:

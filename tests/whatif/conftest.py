@@ -6,9 +6,9 @@ import pytest
 # build of the C++ CPU kernels.
 os.environ.setdefault("BATCHTOP_CPU_KERNEL", "0")
 
-from batchtop.engine.model.loading import load_model  # noqa: E402
-
 from whatif_helpers import record_engine  # noqa: E402
+
+from batchtop.engine.model.loading import load_model  # noqa: E402
 
 # (step, knob, value): chunked prefill tightened, both preemption modes, a static stretch, the budget.
 KNOB_PLAN = [(20, "long_prefill_token_threshold", 8), (35, "preemption_mode", "retract"),
