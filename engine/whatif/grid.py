@@ -56,6 +56,8 @@ class Run:
                 "output_tok_s": s.throughput_out_tok_s, "preemptions": s.num_preemptions + s.num_retractions,
                 "recomputed_tokens": s.tokens_recomputed, "wait_s_by_reason": s.wait_s_by_reason,
                 "peak_kv": self.peak_kv, "steps": s.num_steps, "span_s": s.span_s,
+                "effective_batch": s.row_steps_useful / s.num_steps if s.num_steps else None,
+                "batch_utilisation": s.batch_utilisation,
                 "extrapolated": self.extrapolation, "compute_s": self.seconds}
 
 
