@@ -1,5 +1,6 @@
 """`batchtop whatif`, `batchtop diff` and `batchtop tune`: a recording re-scheduled under other knobs, two
-runs aligned request by request, knobs chosen for an SLO. Nothing here imports torch or a model."""
+runs aligned request by request, knobs chosen for an SLO. No model is loaded: the scheduler runs on
+a virtual clock (engine/whatif/virtual.py)."""
 from __future__ import annotations
 
 import json

@@ -5,12 +5,11 @@ import threading
 
 import httpx
 import pytest
+from test_bad_input import write
+from whatif_helpers import linear_law, synthetic_recording
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.tui.cli import main
-
-from test_bad_input import write
-from whatif_helpers import linear_law, synthetic_recording
 
 
 @pytest.fixture
@@ -31,8 +30,8 @@ def test_apply_sets_the_knob_live_and_verify_reads_the_live_stream(tmp_path, liv
     def load():
         with httpx.Client(base_url=live, timeout=30) as client:
             while not stop.is_set():
-                client.post("/v1/completions", json={"model": "tiny", "prompt": "hello there", "max_tokens": 6,
-                                                     "ignore_eos": True})
+                client.post("/v1/completions", json={"model": "tiny", "prompt": "hello there",
+                                                     "max_tokens": 6, "ignore_eos": True})
 
     clients = [threading.Thread(target=load, daemon=True) for _ in range(3)]
     for client in clients:
