@@ -81,6 +81,11 @@ def engine_header(config: EngineConfig, num_kv_blocks: int, max_model_len: int) 
             "layout": config.layout, "batch_capacity": config.batch_capacity, "max_model_len": max_model_len}
 
 
+def made_inside_vllm(header: dict) -> bool:
+    """The dashboard records a server's engine as its `device`: "vllm 0.32.1" for batchtop inside vLLM."""
+    return str(header.get("device") or "").startswith("vllm")
+
+
 def read_recording(path: str) -> Recording:
     """The recording at `path`; ValueError (one line) when it cannot be replayed."""
     with LogReader(path) as log:
@@ -94,9 +99,9 @@ def read_recording(path: str) -> Recording:
 
 def recording_from(header: dict, events: list[ev.Event], path: str = "<events>") -> Recording:
     """A recording of events already read (a log, or an engine's sink in a test)."""
-    if header.get("vllm_version") or header.get("engine_kind") == "vllm":
-        raise ValueError(f"{path}: a recording made inside vLLM; replaying it needs the vLLM harness "
-                         "(engine/vllm/harness.py), which this build does not have")
+    if made_inside_vllm(header):
+        raise ValueError(f"{path}: a recording made inside vLLM ({header['device']}); replaying it needs the "
+                         "vLLM harness (engine/vllm/harness.py), which this build does not have")
     steps = [e for e in events if isinstance(e, ev.StepFinished)]
     if not steps:
         raise ValueError(f"{path}: no StepFinished events: nothing to fit step times on")
