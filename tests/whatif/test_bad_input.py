@@ -4,6 +4,8 @@ import dataclasses
 import pytest
 from whatif_helpers import linear_law, synthetic_recording
 
+from batchtop.engine.whatif.recording import read_recording
+from batchtop.engine.whatif.replay import replay_identity
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.recorder import encode_event
 from batchtop.tui.cli import main
@@ -87,6 +89,9 @@ def test_the_commands_work_on_good_input(tmp_path, good, capsys):
     assert "scheduled as recorded (100.0%)" in text and "held-out MAPE" in text and "max_num_seqs=8" in text
     written = sorted(p.name for p in tmp_path.glob("what.*.jsonl"))
     assert written == ["what.max_num_seqs=2.jsonl", "what.max_num_seqs=8.jsonl"]
+    # a what-if's recording is a recording: it reads back, and replays as itself step for step
+    again = read_recording(str(tmp_path / "what.max_num_seqs=8.jsonl"))
+    assert again.setup.knobs["max_num_seqs"] == 8 and replay_identity(again).match_share == 1.0
     assert main(["diff", good, str(tmp_path / "what.max_num_seqs=2.jsonl")]) == 0
     assert "residual 0 ns" in capsys.readouterr().out
     assert main(["tune", good, "--slo", "ttft_p99=10s", "--knob", "max_num_seqs=1..6"]) == 0
