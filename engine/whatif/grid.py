@@ -106,7 +106,7 @@ def predict(rec: Recording, model: StepTimeModel, changed: dict, label: str | No
 def whatif(rec: Recording, grid: dict[str, list]) -> WhatIf:
     identity, model = prepare(rec)
     runs = [run_of("recorded", {}, rec.events), predict(rec, model, {}, "as recorded (fitted)")]
-    runs += [predict(rec, model, changed) for changed in points(grid)]
+    runs += [predict(rec, model, changed) for changed in points(grid) if changed]
     return WhatIf(rec, identity, model, runs)
 
 
