@@ -123,6 +123,7 @@ def load_from_args(args):
 def cmd_record(args) -> int:
     from batchtop.engine.core.engine import Engine
     from batchtop.engine.core.loop import EngineLoop
+    from batchtop.engine.whatif.recording import engine_header
     from batchtop.telemetry.bus import EventBus
     from batchtop.telemetry.recorder import Recorder
     if args.duration is None and not args.trace:
@@ -130,7 +131,9 @@ def cmd_record(args) -> int:
     load = load_from_args(args)
     bus = EventBus()
     engine = Engine(engine_config(args), sink=bus)
-    with Recorder(args.out, model=args.model, knobs=engine.knobs(), bus=bus) as recorder:
+    setup = engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len)
+    with Recorder(args.out, model=args.model, knobs=engine.knobs(), bus=bus,
+                  header_extra={"engine": setup}) as recorder:
         loop = EngineLoop(engine, load=load, load_seed=args.seed).start()
         try:
             _wait_for_end(args, loop, load)

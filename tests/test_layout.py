@@ -64,7 +64,15 @@ def test_every_package_is_found():
 def test_engine_core_imports_neither_server_nor_benchmarks_nor_the_dashboard():
     assert offending("batchtop.engine.core", ("batchtop.engine.server", "batchtop.engine.bench",
                                               "batchtop.engine.reliability", "batchtop.engine.vllm",
-                                              "batchtop.tui", "textual", "fastapi", "uvicorn")) == {}
+                                              "batchtop.engine.whatif", "batchtop.tui", "textual", "fastapi",
+                                              "uvicorn")) == {}
+
+
+def test_whatif_runs_the_scheduler_without_the_engine_or_the_model():
+    forbidden = ("batchtop.engine.core.engine", "batchtop.engine.core.loop", "batchtop.engine.model.loading",
+                 "batchtop.engine.model.runner", "batchtop.engine.server", "batchtop.engine.bench",
+                 "batchtop.tui", "torch", "transformers")
+    assert offending("batchtop.engine.whatif", forbidden) == {}
 
 
 def test_model_side_imports_no_engine_core():

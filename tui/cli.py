@@ -23,6 +23,9 @@ COMMANDS = {
     "replay": "batchtop.tui.commands",
     "record": "batchtop.engine.commands",
     "export": "batchtop.telemetry.commands",
+    "whatif": "batchtop.engine.whatif.commands",
+    "diff": "batchtop.engine.whatif.commands",
+    "tune": "batchtop.engine.whatif.commands",
 }
 
 

@@ -42,8 +42,9 @@ class StepTimes:
 
 class StepEvents:
     def __init__(self, sink: Sink | None, scheduler: Scheduler, batch: PersistentBatch, kv: KVCacheManager,
-                 snapshot_interval_steps: int):
+                 snapshot_interval_steps: int, clock: Callable[[], float] = time.monotonic):
         self._sink = sink
+        self._clock = clock          # events' `t`: the engine's monotonic clock, or a virtual one (what-if)
         self.scheduler = scheduler
         self.batch = batch
         self.kv = kv
@@ -58,7 +59,7 @@ class StepEvents:
         sink = self._sink
         if sink is None:
             return
-        t = time.monotonic()
+        t = self._clock()
         self._left(step, t, plan, batch_step.left_slots)
         slot_of = self.batch.slot_of
         for request in plan.admitted:
@@ -125,7 +126,7 @@ class StepEvents:
         sink = self._sink
         if sink is None:
             return
-        t = time.monotonic()
+        t = self._clock()
         for chunk in result.chunks:
             sink(ev.PrefillChunk(step=step, t=t, request_id=chunk.request_id, num_tokens=chunk.num_tokens,
                                  num_computed_tokens=chunk.num_computed_tokens,
@@ -146,7 +147,7 @@ class StepEvents:
     def _finished(self, step: int, batch_step: BatchStep, executed: Executed, times: StepTimes) -> None:
         scheduler, kv = self.scheduler, self.kv
         self._sink(ev.StepFinished(
-            step=step, t=time.monotonic(), num_rows=len(batch_step.rows), num_tokens=executed.num_tokens,
+            step=step, t=self._clock(), num_rows=len(batch_step.rows), num_tokens=executed.num_tokens,
             sampled_request_ids=tuple(row.request.request_id for row in executed.sampled),
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
@@ -162,7 +163,7 @@ class StepEvents:
             return
         wait_reasons, wait_s = request.wait_split if queued else ((), ())
         self._sink(ev.RequestRetired(
-            step=step, t=time.monotonic(), request_id=request.request_id, reason=reason, slot=slot,
+            step=step, t=self._clock(), request_id=request.request_id, reason=reason, slot=slot,
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
             num_blocks=self.kv.num_blocks_held(request.request_id), wait_reasons=wait_reasons, wait_s=wait_s))
 
@@ -175,7 +176,7 @@ class StepEvents:
             return
         self._blocked_key = key
         if blocked is not None:
-            self._sink(ev.AdmissionBlocked(step=step, t=time.monotonic(), **dataclasses.asdict(blocked)))
+            self._sink(ev.AdmissionBlocked(step=step, t=self._clock(), **dataclasses.asdict(blocked)))
 
     def snapshot(self, step: int, cause: str) -> ev.EngineSnapshot:
         """The whole request state as one event: running (running order), padding rows, waiting (queue
@@ -185,7 +186,7 @@ class StepEvents:
                    + [(r, r.status.value) for r in scheduler.waiting])
         requests = [r for r, _ in members]
         return ev.EngineSnapshot(
-            step=step, t=time.monotonic(), cause=cause,
+            step=step, t=self._clock(), cause=cause,
             request_ids=tuple(r.request_id for r in requests),
             statuses=tuple(status for _, status in members),
             slots=tuple(slot_of.get(r.request_id, -1) for r in requests),

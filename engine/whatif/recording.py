@@ -1,0 +1,167 @@
+"""A recording read as what a what-if needs: the arrival trace, the engine it ran on, its steps.
+
+The trace: per request its arrival time, prompt length, max_tokens, priority, the output length it
+ended with and how it ended (an abort becomes a time after arrival). The engine: the KV pool, block
+size, policy, layout and batch capacity from the header's `engine` entry (`batchtop record` writes
+it), otherwise the pool from the steps and the engine's defaults for the rest, listed in `assumed`.
+Times are seconds since the recording's first event. Anything unusable is a ValueError in one line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.core.knobs import KNOBS
+from batchtop.telemetry import events as ev
+from batchtop.telemetry.recorder import LogReader
+
+QUEUE_EXITS = ("abort", "error")       # reasons a request retires between steps
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    request_id: str
+    arrival_s: float
+    num_prompt_tokens: int
+    max_tokens: int
+    priority: int
+    num_output_tokens: int             # the output it ended with (max_tokens when it never retired)
+    reason: str                        # stop | length | abort | error | unfinished
+    abort_after_s: float | None        # abort / error: seconds after arrival
+
+    @property
+    def stops(self) -> bool:
+        """It ended on a stop token: a replay samples one at its recorded length."""
+        return self.reason == "stop"
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    num_kv_blocks: int
+    block_size: int
+    policy: str
+    layout: str
+    batch_capacity: int
+    max_model_len: int
+    knobs: dict                        # the knobs at the recording's start
+    assumed: tuple[str, ...] = ()      # setup fields the recording did not carry
+
+    def to_dict(self) -> dict:
+        return {"num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size, "policy": self.policy,
+                "layout": self.layout, "batch_capacity": self.batch_capacity,
+                "max_model_len": self.max_model_len}
+
+
+@dataclass
+class Recording:
+    path: str
+    header: dict
+    events: list[ev.Event]
+    t0: float
+    requests: list[TraceRequest]
+    setup: EngineSetup
+    knob_changes: list[tuple[float, str, object]] = field(default_factory=list)   # (t, name, new)
+
+    @property
+    def model(self) -> str | None:
+        return self.header.get("model")
+
+    @property
+    def steps(self) -> list[ev.StepFinished]:
+        return [e for e in self.events if isinstance(e, ev.StepFinished)]
+
+    @property
+    def wall_s(self) -> float:
+        return self.events[-1].t - self.t0 if self.events else 0.0
+
+
+def engine_header(config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> dict:
+    """The header's `engine` entry: what a replay of this engine needs beyond its knobs."""
+    return {"num_kv_blocks": num_kv_blocks, "block_size": config.block_size, "policy": config.policy,
+            "layout": config.layout, "batch_capacity": config.batch_capacity, "max_model_len": max_model_len}
+
+
+def made_inside_vllm(header: dict) -> bool:
+    """The dashboard records a server's engine as its `device`: "vllm 0.32.1" for batchtop inside vLLM."""
+    return str(header.get("device") or "").startswith("vllm")
+
+
+def read_recording(path: str) -> Recording:
+    """The recording at `path`; ValueError (one line) when it cannot be replayed."""
+    with LogReader(path) as log:
+        header = log.header
+        events = list(log)
+        if log.truncated:
+            raise ValueError(f"{path}: the recording is truncated (its last line is cut off): "
+                             "a what-if needs a whole recording")
+    return recording_from(header, events, path)
+
+
+def recording_from(header: dict, events: list[ev.Event], path: str = "<events>") -> Recording:
+    """A recording of events already read (a log, or an engine's sink in a test)."""
+    if made_inside_vllm(header):
+        raise ValueError(f"{path}: a recording made inside vLLM ({header['device']}); replaying it needs the "
+                         "vLLM harness (engine/vllm/harness.py), which this build does not have")
+    steps = [e for e in events if isinstance(e, ev.StepFinished)]
+    if not steps:
+        raise ValueError(f"{path}: no StepFinished events: nothing to fit step times on")
+    if not any(e.forward_s > 0 for e in steps):
+        raise ValueError(f"{path}: its StepFinished events carry no timings (forward_s is 0 throughout)")
+    t0 = events[0].t
+    requests = _trace(path, events, t0)
+    setup = _setup(header, events, requests)
+    changes = [(e.t - t0, e.name, e.new) for e in events if isinstance(e, ev.KnobChanged)]
+    return Recording(path, header, events, t0, requests, setup, changes)
+
+
+def _trace(path: str, events: list[ev.Event], t0: float) -> list[TraceRequest]:
+    arrived: dict[str, ev.RequestArrived] = {}
+    retired: dict[str, ev.RequestRetired] = {}
+    for e in events:
+        if isinstance(e, ev.RequestArrived):
+            arrived[e.request_id] = e
+        elif isinstance(e, ev.RequestRetired):
+            retired[e.request_id] = e
+    if not arrived:
+        raise ValueError(f"{path}: no RequestArrived events: the recording has no arrival trace")
+    requests = []
+    for request_id, a in arrived.items():
+        r = retired.get(request_id)
+        if r is None:
+            requests.append(TraceRequest(request_id, a.t - t0, a.num_prompt_tokens, a.max_tokens, a.priority,
+                                         a.max_tokens, "unfinished", None))
+            continue
+        aborted = r.reason in QUEUE_EXITS
+        requests.append(TraceRequest(request_id, a.t - t0, a.num_prompt_tokens, a.max_tokens, a.priority,
+                                     a.max_tokens if aborted else max(1, r.num_output_tokens), r.reason,
+                                     r.t - a.t if aborted else None))
+    return requests
+
+
+def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -> EngineSetup:
+    engine = dict(header.get("engine") or {})
+    defaults = EngineConfig()
+    assumed = []
+    total = next((e.kv_blocks_total for e in events if isinstance(e, ev.StepFinished)), None)
+    values = {}
+    for name, fallback in (("num_kv_blocks", total), ("block_size", defaults.block_size),
+                           ("policy", header.get("policy") or defaults.policy),
+                           ("layout", header.get("layout") or defaults.layout),
+                           ("batch_capacity", defaults.batch_capacity)):
+        if name in engine:
+            values[name] = engine[name]
+        else:
+            values[name] = fallback
+            if name != "num_kv_blocks":
+                assumed.append(name)
+    # The persistent batch only has to hold the longest request of the trace.
+    max_model_len = max(r.num_prompt_tokens + r.max_tokens for r in requests)
+    knobs = {name: value for name, value in (header.get("knobs") or {}).items() if name in KNOBS}
+    missing = [name for name in KNOBS if name not in knobs]
+    if "max_num_seqs" in missing or "max_num_batched_tokens" in missing:
+        raise ValueError("the recording's header lacks the knobs max_num_seqs and max_num_batched_tokens")
+    for name in missing:
+        knobs[name] = getattr(defaults, name)
+        assumed.append(name)
+    return EngineSetup(values["num_kv_blocks"], values["block_size"], values["policy"], values["layout"],
+                       values["batch_capacity"], max_model_len, knobs, tuple(assumed))

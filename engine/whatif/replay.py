@@ -1,0 +1,185 @@
+"""A recording re-scheduled by batchtop's scheduler: as recorded (identity), or under other knobs.
+
+Identity follows the recording's own order: its arrivals, aborts, knob changes and pauses happen
+where they happened between steps, and each step takes the recorded step's times, so the same
+scheduler must plan the same step; `signatures` compares the two runs step by step. A what-if runs
+on the virtual clock alone: requests arrive at their recorded times, aborts come the recorded time
+after arrival, the recording's knob changes apply at their times (but for the knobs held fixed),
+and every step lasts what the step-time model predicts.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+
+from batchtop.telemetry import events as ev
+
+from .recording import QUEUE_EXITS, Recording
+from .steptime import StepTimeModel, fit_model
+from .virtual import PhaseTimes, StepShape, VirtualEngine
+
+LOOP_POLL_S = 0.002         # the engine loop's wait while a dynamic batch forms
+MAX_IDLE_POLLS = 1_000_000
+
+
+@dataclass
+class Identity:
+    engine: VirtualEngine
+    events: list[ev.Event]
+    num_steps: int              # recorded steps
+    num_matching: int           # replayed steps with the recorded step's scheduled requests
+    first_mismatch: int | None  # the first step that differs
+
+    @property
+    def match_share(self) -> float:
+        return self.num_matching / self.num_steps if self.num_steps else 1.0
+
+
+def recorded_phases(finished: ev.StepFinished | None) -> PhaseTimes:
+    if finished is None:
+        return PhaseTimes(0.0, 0.0, 0.0, 0.0, 0.0)
+    return PhaseTimes(finished.schedule_s, finished.prepare_s, finished.forward_s, finished.sample_s,
+                      finished.update_s)
+
+
+def replay_identity(rec: Recording, snapshot_interval_steps: int = 1000) -> Identity:
+    """The recording replayed in its own order with its own step times."""
+    events: list[ev.Event] = []
+    engine = VirtualEngine(rec.setup, rec.setup.knobs, events.append, snapshot_interval_steps)
+    finished = {e.step: e for e in rec.events if isinstance(e, ev.StepFinished)}
+    items = {r.request_id: r for r in rec.requests}
+    t0 = rec.t0
+    for e in rec.events:
+        kind = type(e)
+        if kind is ev.StepPlanned:
+            done = finished.get(e.step)
+            phases = recorded_phases(done)
+            start = (done.t - t0 - phases.total_s) if done is not None else e.t - t0
+            engine.step_count = e.step - 1
+            engine.try_step(start, lambda shape, phases=phases: phases)
+        elif kind is ev.RequestArrived:
+            engine.add(items[e.request_id], e.t - t0)
+        elif kind is ev.RequestRetired and e.reason in QUEUE_EXITS:
+            engine.abort(e.request_id, e.t - t0, e.reason)
+        elif kind is ev.KnobChanged:
+            engine.set_knob(e.name, e.new, e.t - t0, e.source)
+        elif kind in (ev.EnginePaused, ev.EngineResumed):
+            engine.note_paused(kind is ev.EnginePaused, e.t - t0)
+    recorded, replayed = signatures(rec.events), signatures(events)
+    steps = sorted(recorded)
+    matching = [step for step in steps if replayed.get(step) == recorded[step]]
+    mismatch = next((step for step in steps if replayed.get(step) != recorded[step]), None)
+    return Identity(engine, events, len(steps), len(matching), mismatch)
+
+
+def signatures(events, rename: dict[str, str] | None = None) -> dict[int, tuple]:
+    """Per step, what the scheduler decided: the plan's counts, who was admitted, preempted, chunked,
+    sampled and retired (request ids through `rename` where given). Two runs scheduled alike have
+    equal signatures."""
+    rename = rename or {}
+
+    def name(request_id: str) -> str:
+        return rename.get(request_id, request_id)
+
+    parts: dict[int, list] = defaultdict(list)
+    for e in events:
+        kind = type(e)
+        if kind is ev.StepPlanned:
+            parts[e.step].append(("plan", e.prefill_tokens, e.recompute_tokens, e.decode_tokens,
+                                  e.num_padding_rows, e.num_running, e.num_waiting, e.kv_blocks_used))
+        elif kind is ev.RequestAdmitted:
+            parts[e.step].append(("admit", name(e.request_id)))
+        elif kind in (ev.RequestPreempted, ev.RequestRetracted):
+            parts[e.step].append(("preempt", name(e.request_id)))
+        elif kind is ev.PrefillChunk:
+            parts[e.step].append(("chunk", name(e.request_id), e.num_tokens))
+        elif kind is ev.StepFinished:
+            parts[e.step].append(("sampled", *sorted(name(r) for r in e.sampled_request_ids)))
+        elif kind is ev.RequestRetired and e.reason not in QUEUE_EXITS:
+            parts[e.step].append(("retire", name(e.request_id), e.reason))
+    return {step: tuple(sorted(p, key=repr)) for step, p in parts.items() if any(x[0] == "plan" for x in p)}
+
+
+def fit_steps(rec: Recording, identity: Identity) -> StepTimeModel:
+    """The step-time model from the recording's timed steps, each paired with the shape the identity
+    replay computed for it (exact where the replay matched)."""
+    finished = {e.step: e for e in rec.events if isinstance(e, ev.StepFinished)}
+    shapes, done = [], []
+    for step, shape in zip(_replayed_steps(identity.events), identity.engine.shapes):
+        if step in finished:
+            shapes.append(shape)
+            done.append(finished[step])
+    gaps = []
+    ordered = sorted(finished.values(), key=lambda e: e.step)
+    for before, after in zip(ordered, ordered[1:]):
+        busy = before.num_running + before.num_waiting > 0 and after.step == before.step + 1
+        if busy:
+            start = after.t - recorded_phases(after).total_s
+            gaps.append(start - before.t)
+    return fit_model(shapes, done, gaps)
+
+
+def _replayed_steps(events) -> list[int]:
+    return [e.step for e in events if isinstance(e, ev.StepPlanned)]
+
+
+def run_whatif(rec: Recording, knobs: dict, model, held: frozenset[str] = frozenset(),
+               snapshot_interval_steps: int = 1000) -> tuple[VirtualEngine, list[ev.Event]]:
+    """The recording's trace under `knobs` on the virtual clock; `model(shape)` gives each step's
+    phases. The recording's own changes of the knobs in `held` are left out."""
+    events: list[ev.Event] = []
+    engine = VirtualEngine(rec.setup, knobs, events.append, snapshot_interval_steps)
+    arrivals = sorted(rec.requests, key=lambda r: r.arrival_s)
+    aborts: list[tuple[float, str, str]] = []
+    changes = [(t, name, new) for t, name, new in rec.knob_changes if name not in held]
+    a = c = idle_polls = 0
+    now = 0.0
+    while True:
+        while a < len(arrivals) and arrivals[a].arrival_s <= now:
+            item = arrivals[a]
+            engine.add(item, max(item.arrival_s, 0.0))
+            if item.abort_after_s is not None:
+                heapq.heappush(aborts, (item.arrival_s + item.abort_after_s, item.request_id, item.reason))
+            a += 1
+        while aborts and aborts[0][0] <= now:
+            t, request_id, reason = heapq.heappop(aborts)
+            engine.abort(request_id, t, reason)
+        while c < len(changes) and changes[c][0] <= now:
+            engine.set_knob(changes[c][1], changes[c][2], changes[c][0], "recorded")
+            c += 1
+        phases = engine.try_step(now, model)
+        if phases is not None:
+            now += phases.total_s + phases.gap_s
+            idle_polls = 0
+            continue
+        upcoming = [arrivals[a].arrival_s] if a < len(arrivals) else []
+        upcoming += [aborts[0][0]] if aborts else []
+        upcoming += [changes[c][0]] if c < len(changes) else []
+        if engine.has_work():
+            upcoming += _dynamic_deadline(engine, now) or [now + LOOP_POLL_S]
+            idle_polls += 1
+            if idle_polls > MAX_IDLE_POLLS:
+                raise ValueError(f"the what-if under {knobs} makes no progress at t={now:.1f} s "
+                                 f"({len(engine.scheduler.waiting)} waiting, none admitted)")
+        else:
+            idle_polls = 0
+        if not upcoming:
+            return engine, events
+        now = max(now, min(upcoming))
+
+
+def _dynamic_deadline(engine: VirtualEngine, now: float) -> list[float]:
+    """When a forming dynamic batch times out (a hair past, so the scheduler's own test agrees)."""
+    scheduler = engine.scheduler
+    if scheduler.knobs.batching_mode != "dynamic" or not scheduler.waiting or scheduler.running:
+        return []
+    deadline = scheduler.waiting[0].arrival_time + scheduler.knobs.dynamic_timeout_s + 1e-9
+    return [deadline] if deadline > now else []
+
+
+def constant_steps(seconds: float):
+    """A step-time model of constant steps (tests, and recordings without a fit)."""
+    def phases(shape: StepShape) -> PhaseTimes:
+        return PhaseTimes(0.0, 0.0, seconds, 0.0, 0.0)
+    return phases

@@ -1,0 +1,203 @@
+"""Step time from a recording's own StepFinished timings: no profiling run.
+
+The forward pass is fitted on what each step computed (`StepShape`: prefill tokens, decode rows,
+context tokens read, prefill attention work) by several linear laws with non-negative coefficients,
+each fitted to minimise the relative error (robust to steps slowed by other work on the machine);
+the law with the lowest held-out error (MAPE over 5 interleaved folds) wins and is refitted on every
+step. A predicted forward time is the law times a slowdown drawn (seeded) from the recording's own
+ratios of measured to fitted time at the same number of rows: a shared machine slows some steps
+many-fold, and queues grow with the mean step, not the typical one. The other phases (schedule,
+prepare, sample, update) are fitted linear in the rows; the gap between back-to-back steps (the
+loop's own time) is drawn from the recorded gaps. A step whose shape lies beyond what the recording
+saw is counted as extrapolated, with how far.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .virtual import PhaseTimes, StepShape
+
+# name: the StepShape features of a law (an intercept always)
+LAWS: dict[str, tuple[str, ...]] = {
+    "tokens": ("num_tokens",),
+    "prefill+decode": ("prefill_tokens", "decode_rows"),
+    "prefill+decode+context": ("prefill_tokens", "decode_rows", "context_tokens"),
+    "prefill+decode+context+attention": ("prefill_tokens", "decode_rows", "context_tokens",
+                                         "prefill_attention"),
+}
+EXTRAPOLATION_MARGIN = 1.1        # a feature up to 10% beyond the recorded maximum still counts as seen
+NUM_FOLDS = 5
+MIN_STEPS = 10
+
+
+def feature(shape: StepShape, name: str) -> float:
+    if name == "num_tokens":
+        return shape.prefill_tokens + shape.decode_rows
+    return getattr(shape, name)
+
+
+def design(shapes: list[StepShape], names: tuple[str, ...]) -> np.ndarray:
+    x = np.ones((len(shapes), len(names) + 1))
+    for j, name in enumerate(names):
+        x[:, j + 1] = [feature(s, name) for s in shapes]
+    return x
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: features whose coefficient comes out negative are
+    dropped one at a time (a step cannot get faster with more work)."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        if active:
+            coef[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        negative = [j for j in active if coef[j] < 0]
+        if not negative:
+            return coef
+        active.remove(min(negative, key=lambda j: coef[j]))
+
+
+def relative_l1_fit(x: np.ndarray, y: np.ndarray, iterations: int = 30) -> np.ndarray:
+    """Non-negative coefficients that minimise the mean relative error (the MAPE itself), by iteratively
+    reweighted least squares: a recording made beside other work has steps slowed many-fold, and a
+    squared-error fit would chase them."""
+    keep = y > 0
+    x, y = x[keep], y[keep]
+    coef = nonnegative_lstsq(x / y[:, None], np.ones(len(y)))
+    for _ in range(iterations):
+        residual = np.abs(x @ coef - y) / y
+        weight = 1.0 / np.sqrt(np.maximum(residual, 1e-6) * 1.0)
+        coef = nonnegative_lstsq(x / y[:, None] * weight[:, None], weight)
+    return coef
+
+
+def mape(predicted: np.ndarray, actual: np.ndarray) -> float:
+    keep = actual > 0
+    return float(np.mean(np.abs(predicted[keep] - actual[keep]) / actual[keep]))
+
+
+@dataclass(frozen=True)
+class Law:
+    name: str
+    names: tuple[str, ...]
+    coef: tuple[float, ...]
+    heldout_mape: float
+
+    def predict(self, shape: StepShape) -> float:
+        return self.coef[0] + sum(c * feature(shape, n) for c, n in zip(self.coef[1:], self.names))
+
+    def describe(self) -> str:
+        terms = [f"{self.coef[0] * 1e3:.3g} ms"] + [f"{c * 1e6:.3g} us x {n}"
+                                                     for c, n in zip(self.coef[1:], self.names) if c]
+        return " + ".join(terms)
+
+
+def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[str, ...]] = LAWS) -> Law:
+    """The law of lowest held-out MAPE, refitted on every step."""
+    if len(shapes) < MIN_STEPS:
+        raise ValueError(f"the recording has {len(shapes)} timed steps; fitting step times needs {MIN_STEPS}")
+    y = np.asarray(times, dtype=float)
+    fold = np.arange(len(shapes)) % NUM_FOLDS
+    best: Law | None = None
+    for name, names in laws.items():
+        x = design(shapes, names)
+        errors = []
+        for k in range(NUM_FOLDS):
+            train, test = fold != k, fold == k
+            coef = relative_l1_fit(x[train], y[train])
+            errors.append(mape(x[test] @ coef, y[test]))
+        law = Law(name, names, tuple(relative_l1_fit(x, y)), float(np.mean(errors)))
+        if best is None or law.heldout_mape < best.heldout_mape - 1e-9:
+            best = law
+    return best
+
+
+@dataclass
+class StepTimeModel:
+    """Predicted phases of a step; counts the steps it had to extrapolate."""
+    forward: Law
+    overhead: dict[str, tuple[float, float]]    # phase: (intercept, per row)
+    gaps: tuple[float, ...]                      # recorded gaps between back-to-back steps
+    ratios: dict[int, tuple[float, ...]]         # rows: recorded forward time / the law's, per step
+    seen: dict[str, float]                       # the recorded maximum of each feature
+    seed: int = 0
+    num_predicted: int = 0
+    num_extrapolated: int = 0
+    max_beyond: dict[str, float] = field(default_factory=dict)   # feature: the largest ratio to `seen`
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._rng = random.Random(self.seed)
+
+    @property
+    def gap_s(self) -> float:
+        return float(np.mean(self.gaps)) if self.gaps else 0.0
+
+    @property
+    def mean_slowdown(self) -> float:
+        every = [r for ratios in self.ratios.values() for r in ratios]
+        return float(np.mean(every)) if every else 1.0
+
+    def __call__(self, shape: StepShape) -> PhaseTimes:
+        self.num_predicted += 1
+        beyond = False
+        for name, high in self.seen.items():
+            value = feature(shape, name)
+            if value > high * EXTRAPOLATION_MARGIN:
+                beyond = True
+                ratio = value / high if high else math.inf
+                self.max_beyond[name] = max(self.max_beyond.get(name, 0.0), ratio)
+        self.num_extrapolated += beyond
+        over = {phase: a + b * shape.num_rows for phase, (a, b) in self.overhead.items()}
+        gap = self._rng.choice(self.gaps) if self.gaps else 0.0
+        forward = max(self.forward.predict(shape), 0.0) * self._slowdown(shape.num_rows)
+        return PhaseTimes(over["schedule_s"], over["prepare_s"], forward, over["sample_s"], over["update_s"],
+                          gap)
+
+    def _slowdown(self, num_rows: int) -> float:
+        if not self.ratios:
+            return 1.0
+        ratios = self.ratios.get(num_rows)
+        if ratios is None:
+            ratios = self.ratios[min(self.ratios, key=lambda rows: abs(rows - num_rows))]
+        return self._rng.choice(ratios)
+
+    def fresh(self) -> StepTimeModel:
+        """The same model with its counts at zero (one per what-if run)."""
+        return StepTimeModel(self.forward, self.overhead, self.gaps, self.ratios, self.seen, self.seed)
+
+    def extrapolation(self) -> str | None:
+        """None when every predicted step lay within the recording's shapes."""
+        if not self.num_extrapolated:
+            return None
+        worst = ", ".join(f"{name} up to {ratio:.1f}x" for name, ratio in sorted(self.max_beyond.items()))
+        return (f"extrapolated: {self.num_extrapolated} of {self.num_predicted} steps beyond the recorded "
+                f"shapes ({worst})")
+
+
+OVERHEAD_PHASES = ("schedule_s", "prepare_s", "sample_s", "update_s")
+
+
+def fit_model(shapes: list[StepShape], finished: list, gaps: list[float]) -> StepTimeModel:
+    """`shapes[i]` is what recorded step `finished[i]` (its StepFinished) computed; `gaps`: the idle
+    time between back-to-back recorded steps."""
+    forward = fit_law(shapes, [e.forward_s for e in finished])
+    rows = design(shapes, ("num_rows",))
+    overhead = {}
+    for phase in OVERHEAD_PHASES:
+        a, b = nonnegative_lstsq(rows, np.asarray([getattr(e, phase) for e in finished]))
+        overhead[phase] = (float(a), float(b))
+    seen = {name: float(max(feature(s, name) for s in shapes))
+            for name in ("num_rows", "prefill_tokens", "decode_rows", "context_tokens")}
+    measured = np.asarray([e.forward_s for e in finished])
+    fitted = np.asarray([forward.predict(s) for s in shapes])
+    ratios: dict[int, list[float]] = {}
+    for shape, m, f in zip(shapes, measured, fitted):
+        if m > 0 and f > 0:
+            ratios.setdefault(shape.num_rows, []).append(float(m / f))
+    ratios = {rows: tuple(values) for rows, values in ratios.items()}
+    return StepTimeModel(forward, overhead, tuple(max(g, 0.0) for g in gaps), ratios, seen)

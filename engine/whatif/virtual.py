@@ -1,0 +1,187 @@
+"""batchtop's engine without a model: its own scheduler, KV pool, persistent batch and step events on a
+virtual clock.
+
+A step is the engine's: `Scheduler.schedule` plans, `PersistentBatch.apply` follows the plan,
+`StepEvents` reports it; the forward pass is made up: a row whose prompt is done samples one token,
+a stop token when the request reaches the output length it was recorded with (a `length` request
+runs to its max_tokens, as it did). The clock reads what the caller's step times say, so the events
+are a real recording's events, with a real recording's times when the caller gives the recorded ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from batchtop.engine.core.batch import BatchStep, PersistentBatch
+from batchtop.engine.core.kv_cache import KVCacheManager
+from batchtop.engine.core.request import Request, Status
+from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.core.scheduler import Scheduler, SchedulerKnobs
+from batchtop.engine.core.scheduler_output import Row
+from batchtop.engine.core.step_events import Sink, StepEvents, StepTimes
+from batchtop.telemetry import events as ev
+
+from .recording import EngineSetup, TraceRequest
+
+PROMPT_TOKEN, OUTPUT_TOKEN, STOP_TOKEN = 1, 1, 2
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computed, the step-time model's inputs."""
+    num_rows: int
+    prefill_tokens: int          # tokens of prefill and recompute rows
+    decode_rows: int             # decode and padding rows (one token each)
+    context_tokens: int          # sum of the rows' sequence lengths: KV read by attention
+    prefill_attention: int       # sum over prefill rows of chunk x sequence length
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """One step's phases in seconds, as StepFinished carries them; `gap_s`: idle before the next step."""
+    schedule_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    update_s: float
+    gap_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.update_s
+
+
+@dataclass(frozen=True)
+class _Executed:
+    """The made-up forward pass, in the fields StepEvents reads of the engine's."""
+    sampled: list[Row]
+    token_ids: list[int]
+    num_tokens: int
+    num_padded_tokens: int = 0
+
+
+class VirtualEngine:
+    def __init__(self, setup: EngineSetup, knobs: dict, sink: Sink | None,
+                 snapshot_interval_steps: int = 1000):
+        self.now = 0.0
+        self.setup = setup
+        self.kv = KVCacheManager(setup.num_kv_blocks, setup.block_size)
+        self.scheduler = Scheduler(SchedulerKnobs(**knobs), self.kv, setup.policy, frozenset({STOP_TOKEN}))
+        self.batch = PersistentBatch(setup.layout, setup.batch_capacity, setup.max_model_len,
+                                     -(-setup.max_model_len // setup.block_size))
+        self._sink = sink
+        self.events = StepEvents(sink, self.scheduler, self.batch, self.kv, snapshot_interval_steps,
+                                 clock=lambda: self.now)
+        self.step_count = 0
+        self.requests: dict[str, Request] = {}
+        self._stops_at: dict[str, int] = {}        # output length at which a `stop` request samples stop
+        self._pending_mode: str | None = None
+        self.shapes: list[StepShape] = []
+
+    def _emit(self, event_type, **fields) -> None:
+        if self._sink is not None:
+            self._sink(event_type(step=self.step_count, t=self.now, **fields))
+
+    # -- between steps --------------------------------------------------------------------
+
+    def add(self, item: TraceRequest, now: float) -> None:
+        self.now = now
+        request = Request(item.request_id, [PROMPT_TOKEN] * item.num_prompt_tokens,
+                          SamplingParams(max_tokens=item.max_tokens), now, priority=item.priority,
+                          arrival_seq=len(self.requests))
+        self.requests[item.request_id] = request
+        if item.stops:
+            self._stops_at[item.request_id] = item.num_output_tokens
+        self.scheduler.add(request)
+        self._emit(ev.RequestArrived, request_id=item.request_id, num_prompt_tokens=item.num_prompt_tokens,
+                   max_tokens=item.max_tokens, priority=item.priority)
+
+    def abort(self, request_id: str, now: float, reason: str = "abort") -> bool:
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        self.now = now
+        queued = request.status in (Status.WAITING, Status.PREEMPTED)
+        slot = self.batch.slot_of.get(request_id, -1)
+        self.scheduler.finish(request, reason, now)
+        self.events.retired(self.step_count, request, reason, slot, queued)
+        return True
+
+    def set_knob(self, name: str, value, now: float, source: str = "whatif") -> None:
+        """As Engine.set_knob: a batching mode change waits for the batch boundary."""
+        self.now = now
+        if name == "batching_mode":
+            self._pending_mode = value
+            self._apply_pending_mode()
+            return
+        old = getattr(self.scheduler.knobs, name)
+        setattr(self.scheduler.knobs, name, value)
+        self._emit(ev.KnobChanged, name=name, old=old, new=value, source=source)
+
+    def _apply_pending_mode(self) -> None:
+        knobs = self.scheduler.knobs
+        if self._pending_mode is None or knobs.batching_mode != "continuous" and self.scheduler.running:
+            return
+        old, knobs.batching_mode, self._pending_mode = knobs.batching_mode, self._pending_mode, None
+        self._emit(ev.KnobChanged, name="batching_mode", old=old, new=knobs.batching_mode, source="whatif")
+
+    def note_paused(self, paused: bool, now: float) -> None:
+        self.now = now
+        self.scheduler.note_paused(now, paused)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step -------------------------------------------------------------------------
+
+    def try_step(self, start: float, times: Callable[[StepShape], PhaseTimes]) -> PhaseTimes | None:
+        """One step starting at `start`, its phases from `times(shape)`; None when the scheduler had no
+        step to run (nothing to do, or a dynamic batch still forming)."""
+        if not self.scheduler.has_work():
+            return None
+        self.now = start
+        self._apply_pending_mode()
+        plan = self.scheduler.schedule(start)
+        if not plan.is_step:
+            self.events.blocked(self.step_count, plan.blocked)
+            return None
+        self.step_count += 1
+        batch_step = self.batch.apply(plan, self.kv)
+        shape = _shape(batch_step)
+        phases = times(shape)
+        self.shapes.append(shape)
+        self.now = start + phases.schedule_s
+        self.events.planned(self.step_count, plan, batch_step)
+        if not batch_step.rows:
+            return phases
+        sampled = [row for row in batch_step.rows if row.samples]
+        token_ids = [self._token(row.request) for row in sampled]
+        self.batch.append_tokens(sampled, token_ids)
+        sampled_at = start + phases.schedule_s + phases.prepare_s + phases.forward_s + phases.sample_s
+        result = self.scheduler.update_from_output(batch_step.rows, sampled, token_ids, sampled_at)
+        self.now = start + phases.total_s
+        executed = _Executed(sampled, token_ids, int(batch_step.query_lens.sum()))
+        self.events.finished(self.step_count, batch_step, executed, result,
+                             StepTimes(start, start + phases.schedule_s,
+                                       start + phases.schedule_s + phases.prepare_s,
+                                       sampled_at - phases.sample_s, sampled_at, self.now))
+        return phases
+
+    def _token(self, request: Request) -> int:
+        stops_at = self._stops_at.get(request.request_id)
+        last = stops_at is not None and request.num_output_tokens + 1 >= stops_at
+        return STOP_TOKEN if last else OUTPUT_TOKEN
+
+
+def _shape(batch_step: BatchStep) -> StepShape:
+    prefill_tokens = decode_rows = context = attention = 0
+    for row, start, num_tokens in zip(batch_step.rows, batch_step.starts.tolist(),
+                                      batch_step.query_lens.tolist()):
+        seq_len = start + num_tokens
+        context += seq_len
+        if row.padding or row.kind == "decode":
+            decode_rows += 1
+        else:
+            prefill_tokens += num_tokens
+            attention += num_tokens * seq_len
+    return StepShape(len(batch_step.rows), prefill_tokens, decode_rows, context, attention)

@@ -1,0 +1,98 @@
+"""Bad input to whatif, diff and tune: one line saying what is wrong, exit code 2, no traceback."""
+import dataclasses
+
+import pytest
+from whatif_helpers import linear_law, synthetic_recording
+
+from batchtop.engine.whatif.recording import read_recording
+from batchtop.engine.whatif.replay import replay_identity
+from batchtop.telemetry import events as ev
+from batchtop.telemetry.recorder import encode_event
+from batchtop.tui.cli import main
+
+
+def write(path, rec, events=None):
+    import json
+    with open(path, "w") as f:
+        f.write(json.dumps(rec.header) + "\n")
+        f.writelines(encode_event(e) + "\n" for e in (rec.events if events is None else events))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def rec():
+    return synthetic_recording(linear_law, num_requests=30)
+
+
+@pytest.fixture
+def good(tmp_path, rec):
+    return write(tmp_path / "good.jsonl", rec)
+
+
+def fails(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_a_recording_without_step_timings(tmp_path, rec, capsys):
+    untimed = [dataclasses.replace(e, forward_s=0.0) if isinstance(e, ev.StepFinished) else e
+               for e in rec.events]
+    path = write(tmp_path / "untimed.jsonl", rec, untimed)
+    assert "no timings" in fails(capsys, "whatif", path, "--set", "max_num_seqs=2")
+    stepless = [e for e in rec.events if not isinstance(e, ev.StepFinished)]
+    path = write(tmp_path / "nosteps.jsonl", rec, stepless)
+    assert "no StepFinished" in fails(capsys, "whatif", path)
+
+
+def test_a_truncated_recording(tmp_path, good, capsys):
+    text = open(good).read()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(text[: len(text) - 40])
+    assert "truncated" in fails(capsys, "whatif", str(cut), "--set", "max_num_seqs=2")
+    assert "truncated" in fails(capsys, "tune", str(cut), "--slo", "ttft_p99=1s",
+                                "--knob", "max_num_seqs=1..4")
+
+
+@pytest.mark.parametrize("setting,words", [("max_seqs=2", "unknown knob"),
+                                           ("max_num_seqs=0", "max_num_seqs must be"),
+                                           ("max_num_seqs=4096", "max_num_seqs must be"),
+                                           ("batching_mode=fast", "batching_mode must be"),
+                                           ("max_num_seqs", "--set")])
+def test_an_unknown_knob_or_a_value_out_of_range(good, capsys, setting, words):
+    assert words in fails(capsys, "whatif", good, "--set", setting)
+
+
+def test_tune_refuses_bad_slos_and_ranges(good, capsys):
+    assert "--slo" in fails(capsys, "tune", good, "--slo", "latency=2s", "--knob", "max_num_seqs=1..4")
+    assert "duration" in fails(capsys, "tune", good, "--slo", "ttft_p99=fast", "--knob", "max_num_seqs=1..4")
+    assert "empty" in fails(capsys, "tune", good, "--slo", "ttft_p99=1s", "--knob", "max_num_seqs=8..4")
+    assert "unknown knob" in fails(capsys, "tune", good, "--slo", "ttft_p99=1s", "--knob", "seqs=1..4")
+
+
+def test_a_recording_made_inside_vllm_needs_the_harness(tmp_path, rec, capsys):
+    inside = dataclasses.replace(rec, header={**rec.header, "device": "vllm 0.32.1"})
+    path = write(tmp_path / "vllm.jsonl", inside)
+    assert "vLLM harness" in fails(capsys, "whatif", path, "--set", "max_num_seqs=2")
+
+
+def test_diff_of_two_different_traces(tmp_path, good, capsys):
+    other = write(tmp_path / "other.jsonl", synthetic_recording(linear_law, num_requests=31, seed=4))
+    assert "different traces" in fails(capsys, "diff", good, other)
+
+
+def test_the_commands_work_on_good_input(tmp_path, good, capsys):
+    out = tmp_path / "what.jsonl"
+    assert main(["whatif", good, "--set", "max_num_seqs=2,8", "--record", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "scheduled as recorded (100.0%)" in text and "held-out MAPE" in text and "max_num_seqs=8" in text
+    written = sorted(p.name for p in tmp_path.glob("what.*.jsonl"))
+    assert written == ["what.max_num_seqs=2.jsonl", "what.max_num_seqs=8.jsonl"]
+    # a what-if's recording is a recording: it reads back, and replays as itself step for step
+    again = read_recording(str(tmp_path / "what.max_num_seqs=8.jsonl"))
+    assert again.setup.knobs["max_num_seqs"] == 8 and replay_identity(again).match_share == 1.0
+    assert main(["diff", good, str(tmp_path / "what.max_num_seqs=2.jsonl")]) == 0
+    assert "residual 0 ns" in capsys.readouterr().out
+    assert main(["tune", good, "--slo", "ttft_p99=10s", "--knob", "max_num_seqs=1..6"]) == 0
+    assert "best: max_num_seqs=" in capsys.readouterr().out
