@@ -1,0 +1,66 @@
+"""batchtop's class inside vLLM's real scheduler on a virtual clock, on every vLLM version it supports
+(0.32's CPU build in .venv-vllm, 0.33 in .venv-vllm033), each in its own interpreter: no model,
+no server. harness_check.py runs the scenarios and checks every step against vLLM's own objects."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from vllm_helpers import VLLM_ENVS, env_python, env_skip_reason
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module", params=sorted(VLLM_ENVS))
+def checked(request):
+    """(vLLM version, the scenarios' results) in one vLLM environment."""
+    env = request.param
+    reason = env_skip_reason(env)
+    if reason:
+        pytest.skip(f"no vLLM {VLLM_ENVS[env]} here: {reason}")
+    done = subprocess.run(
+        [str(env_python(env)), str(HERE / "harness_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["vllm"].startswith(VLLM_ENVS[env])
+    return result
+
+
+@pytest.mark.parametrize("scenario", ["fold", "fold_async"])
+def test_the_fold_of_the_events_is_vllms_state_after_every_step(checked, scenario):
+    """Over > 2,000 steps of a random trace with a small pool, shared prefixes (prefix caching),
+    chunked prefill, aborts and knobs turned at random steps: the fold equals vLLM's requests, queues,
+    blocks and token counts, and every RequestPreempted is a real `_preempt_request`."""
+    result = checked[scenario]
+    assert result["failures"] == []
+    counts = result["counts"]
+    assert counts["steps"] >= 2000 and counts["checks"] >= 2000
+    for seen in ("preemptions", "prefix_hits", "chunks", "aborts", "knob_changes"):
+        assert counts[seen] > 0, (seen, counts)
+
+
+def test_max_num_seqs_lowered_under_load_never_preempts_and_binds_as_rows_finish(checked):
+    result = checked["max_num_seqs"]
+    assert result["failures"] == []
+    assert result["counts"]["max_running_after_raise"] > 2
+
+
+def test_the_budget_and_the_chunk_threshold_lowered_live_bound_every_later_step(checked):
+    assert checked["budget"]["failures"] == []
+
+
+@pytest.mark.parametrize("scenario", ["failure", "failure_async"])
+def test_a_failure_in_batchtops_part_leaves_vllms_scheduling_as_stock_and_says_why(checked, scenario):
+    result = checked[scenario]
+    assert result["failures"] == []
+    assert result["counts"]["preemptions"] > 0
+    assert "injected fault" in result["counts"]["failure"]
