@@ -107,8 +107,8 @@ def render(args, samples: dict) -> str:
                  ([s["output_throughput"] for s in runs] for runs in samples.values()))
     if abs(loss) <= spread:
         verdict = ("**no difference this run can resolve**: one server's rounds spread by up to "
-                   f"{spread:.0%} of its mean on this machine, more than the difference (the guest's cost in µs per step, "
-                   "measured where it can be resolved, is in the section on the harness)")
+                   f"{spread:.0%} of its mean on this machine, more than the difference (the guest's cost in "
+                   "µs per step, measured where it can be resolved, is in the section after this one)")
     else:
         verdict = (f"a difference larger than the rounds' spread ({spread:.0%}), "
                    f"{'within' if loss <= TARGET_LOSS else 'beyond'} the {TARGET_LOSS:.0%} target")
