@@ -265,10 +265,10 @@ def budget_scenario() -> dict:
     s = build_scheduler(limits, "batchtop")
     failures, state = [], {"budget": 512, "threshold": 0, "changes": 0, "chunks_at_threshold": 0}
     plan = {
-        40: ("max_num_batched_tokens", 200),
-        120: ("long_prefill_token_threshold", 48),
-        260: ("max_num_batched_tokens", 96),
-        400: ("long_prefill_token_threshold", 0),
+        30: ("max_num_batched_tokens", 200),
+        90: ("long_prefill_token_threshold", 48),
+        160: ("max_num_batched_tokens", 96),
+        240: ("long_prefill_token_threshold", 0),
     }
 
     def between(h: Harness) -> None:
