@@ -125,7 +125,8 @@ def live_step_ms(rows: int = 64) -> dict:
     from batchtop.engine.model.loading import smollm2_folder
     from batchtop.engine.vllm.launch import VllmOptions, launch_vllm
     from batchtop.telemetry import events as ev
-    from batchtop.tui.remote_source import RemoteSource
+
+    from .vllm_scheduler import EventFollower
 
     options = VllmOptions(
         model=str(smollm2_folder(print)),
@@ -137,14 +138,12 @@ def live_step_ms(rows: int = 64) -> dict:
     )
     with launch_vllm(options) as server:
         server.wait_healthy(600)
-        source = RemoteSource("http://127.0.0.1:8161", from_step=0).start()
-
-        events: list = []
+        follower = EventFollower("http://127.0.0.1:8161", keep=True)
 
         async def load():
             client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
             async with client:
-                requests = asyncio.gather(
+                await asyncio.gather(
                     *[
                         client.completions.create(
                             model="smollm2",
@@ -157,15 +156,10 @@ def live_step_ms(rows: int = 64) -> dict:
                         for i in range(rows)
                     ]
                 )
-                while not requests.done():
-                    events.extend(source.poll().events)
-                    await asyncio.sleep(0.2)
-                await requests
 
         asyncio.run(load())
         time.sleep(1.0)
-        events.extend(source.poll().events)
-        source.close()
+        events = list(follower.events)
     full = [e for e in events if isinstance(e, ev.StepFinished) and e.num_rows == rows]
     return {
         "rows": rows,

@@ -74,9 +74,12 @@ def run(args) -> dict:
 
 
 class EventFollower:
-    """A client on the scheduler class's event stream, on a thread: every event read and decoded."""
+    """A client on the scheduler class's event stream, on a thread: every event read and decoded (and kept
+    in `events` when `keep`)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, keep: bool = False):
+        self.keep = keep
+        self.events: list = []
         self.num_events = 0
         self.num_empty = 0              # keep-alives: httpx-sse hands them on without data
         threading.Thread(target=self._follow, args=(url,), daemon=True).start()
@@ -90,8 +93,10 @@ class EventFollower:
                 if not message.data:
                     self.num_empty += 1
                     continue
-                decode_event(message.data)
+                event = decode_event(message.data)
                 self.num_events += 1
+                if self.keep:
+                    self.events.append(event)
 
 
 def render(args, samples: dict) -> str:
