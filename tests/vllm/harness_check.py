@@ -143,21 +143,30 @@ def fold_scenario(async_scheduling: bool, seed: int = 1, num_steps: int = 2200) 
     s = build_scheduler(limits, "batchtop")
     check = FoldCheck(rng, knob_every=40, limits=limits)
     check.install(s)
-    h = Harness(s, random_trace(rng, 600, rate=12.0), between_steps=check)
+    h = Harness(s, random_trace(rng, 400, rate=6.0), between_steps=check)
     h.run(num_steps)
     check(h)
     events = check.events
     preempted = [e.request_id for e in events if isinstance(e, ev.RequestPreempted)]
     failures = list(check.failures)
-    if preempted != check.preempt_calls:
-        failures.append(
-            f"{len(preempted)} RequestPreempted events, {len(check.preempt_calls)} _preempt_request "
-            "calls, or a different order"
-        )
+    # Under async scheduling vLLM can preempt a request in step N+1 whose last token is in flight in
+    # step N: it retires in N, and the held plan of N+1 drops its preemption (observer._emit_plan).
+    retired = {e.request_id for e in events if isinstance(e, ev.RequestRetired)}
+    unreported, matched = [], 0
+    for request_id in check.preempt_calls:          # the events: the calls, in order, less the unreported
+        if matched < len(preempted) and preempted[matched] == request_id:
+            matched += 1
+        else:
+            unreported.append(request_id)
+    if matched != len(preempted):
+        failures.append("RequestPreempted events that are not _preempt_request calls, in their order")
+    if unreported and (not async_scheduling or any(r not in retired for r in unreported)):
+        failures.append(f"_preempt_request calls without a RequestPreempted event: {unreported[:5]}")
     counts = {
         "steps": len(h.steps),
         "checks": check.checks,
         "preemptions": len(preempted),
+        "preempted_while_last_token_in_flight": len(unreported),
         "prefix_hits": sum(
             isinstance(e, ev.RequestAdmitted) and not e.resumed and e.num_computed_tokens > 0 for e in events
         ),
@@ -316,7 +325,7 @@ def failure_scenario(async_scheduling: bool) -> dict:
 
     def run(kind: str, fail_at: int | None):
         s = build_scheduler(limits, kind)
-        h = Harness(s, random_trace(random.Random(5), 300, rate=12.0))
+        h = Harness(s, random_trace(random.Random(5), 160, rate=8.0))
         if fail_at is not None:
 
             def between(hh: Harness) -> None:
@@ -328,7 +337,7 @@ def failure_scenario(async_scheduling: bool) -> dict:
                     s.batchtop_observer.scheduled = broken
 
             h.between_steps = between
-        h.run(1500)
+        h.run(800)
         steps = [(r.num_scheduled_tokens, r.preempted_req_ids, r.finished_req_ids) for r in h.steps]
         outcome = {
             r.request_id: (r.finish_reason, r.num_output_tokens, r.num_preemptions)
