@@ -372,6 +372,44 @@ def failure_scenario(async_scheduling: bool) -> dict:
     }
 
 
+def gate_and_check_scenario() -> dict:
+    """The version gate (an untested version refused, then let through by the override) and the check
+    command's answers with the events port free and taken, in this vLLM's interpreter."""
+    import contextlib
+    import io
+    import os
+    import socket
+
+    from batchtop.engine.vllm import check
+    from batchtop.engine.vllm.scheduler import check_vllm_version
+
+    out = {}
+    check_vllm_version()
+    try:
+        check_vllm_version("0.34.0")
+        out["refused"] = None
+    except RuntimeError as refused:
+        out["refused"] = str(refused)
+    os.environ["BATCHTOP_VLLM_ANY_VERSION"] = "1"
+    try:
+        check_vllm_version("0.34.0")
+        out["overridden"] = True
+    finally:
+        del os.environ["BATCHTOP_VLLM_ANY_VERSION"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        for name, argv in (("taken", ["--events-port", str(port)]),
+                           ("free", ["--events-port", str(port + 1)])):
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                out[f"{name}_status"] = check.main(argv)
+            out[name] = text.getvalue()
+    out["port"] = port
+    return {"counts": out, "failures": []}
+
+
 SCENARIOS = {
     "fold": lambda: fold_scenario(False),
     "fold_async": lambda: fold_scenario(True),
@@ -379,6 +417,7 @@ SCENARIOS = {
     "budget": budget_scenario,
     "failure": lambda: failure_scenario(False),
     "failure_async": lambda: failure_scenario(True),
+    "gate_and_check": gate_and_check_scenario,
 }
 
 

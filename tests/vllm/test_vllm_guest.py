@@ -1,59 +1,17 @@
-"""The part of batchtop that runs inside vLLM: its version gate, its event order
-under async scheduling, and a failure of its own that vLLM survives."""
+"""The part of batchtop that runs inside vLLM: its event order under async scheduling, and a failure
+of its own that vLLM survives (the version gate and the check: test_vllm_harness.py)."""
 from __future__ import annotations
 
 import socket
-import subprocess
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from vllm_helpers import START_TIMEOUT_S, VLLM_ENVS, env_python, env_skip_reason, options, skip_reason
+from vllm_helpers import START_TIMEOUT_S, options, skip_reason
 
 from batchtop.engine.vllm.launch import launch_vllm
 from batchtop.engine.vllm.observer import StepObserver
 from batchtop.telemetry import events as ev
-
-
-@pytest.mark.parametrize("env", sorted(VLLM_ENVS))
-def test_an_untested_vllm_version_is_refused_naming_the_tested_ones_and_the_override(env):
-    if env_skip_reason(env):
-        pytest.skip(f"no vLLM {VLLM_ENVS[env]} here: {env_skip_reason(env)}")
-    code = ("import os\n"
-            "from batchtop.engine.vllm.scheduler import check_vllm_version\n"
-            "check_vllm_version()\n"
-            "try:\n    check_vllm_version('0.34.0')\nexcept RuntimeError as e:\n    print(e)\n"
-            "os.environ['BATCHTOP_VLLM_ANY_VERSION'] = '1'\n"
-            "check_vllm_version('0.34.0')\nprint('overridden')\n")
-    done = subprocess.run([str(env_python(env)), "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "tested on vLLM 0.32.0, 0.33.0; this is vLLM 0.34.0" in done.stdout
-    assert "BATCHTOP_VLLM_ANY_VERSION=1" in done.stdout and done.stdout.strip().endswith("overridden")
-
-
-@pytest.mark.parametrize("env", sorted(VLLM_ENVS))
-def test_the_check_command_says_version_class_and_port(env):
-    """`python -m batchtop.engine.vllm.check` in each vLLM environment: supported, the class for this
-    machine's async setting, the events port free (then taken: not ready, exit 1); bad input: exit 2."""
-    if env_skip_reason(env):
-        pytest.skip(f"no vLLM {VLLM_ENVS[env]} here: {env_skip_reason(env)}")
-    python = str(env_python(env))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    check = [python, "-m", "batchtop.engine.vllm.check", "--events-port"]
-    free = subprocess.run(check + [str(port)], capture_output=True, text=True, timeout=300)
-    assert free.returncode == 0, free.stdout + free.stderr[-2000:]
-    assert f"vLLM {VLLM_ENVS[env]}" in free.stdout and ": supported" in free.stdout
-    assert "--scheduler-cls batchtop.engine.vllm.scheduler.BatchtopScheduler" in free.stdout
-    assert f"events port {port} (rank 0): free" in free.stdout and free.stdout.strip().endswith("ready")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", port))
-        taken.listen(1)
-        busy = subprocess.run(check + [str(port)], capture_output=True, text=True, timeout=300)
-    assert busy.returncode == 1 and "taken" in busy.stdout and busy.stdout.strip().endswith("not ready")
-    bad = subprocess.run(check + ["70000"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
 def _request(rid: str, prompt: int, outputs: int = 0, computed: int = 0):

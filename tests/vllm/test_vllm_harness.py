@@ -64,3 +64,34 @@ def test_a_failure_in_batchtops_part_leaves_vllms_scheduling_as_stock_and_says_w
     assert result["failures"] == []
     assert result["counts"]["preemptions"] > 0
     assert "injected fault" in result["counts"]["failure"]
+
+
+def test_an_untested_vllm_version_is_refused_naming_the_tested_ones_and_the_override(checked):
+    gate = checked["gate_and_check"]["counts"]
+    assert "tested on vLLM 0.32.0, 0.33.0; this is vLLM 0.34.0" in gate["refused"]
+    assert "BATCHTOP_VLLM_ANY_VERSION=1" in gate["refused"] and gate["overridden"]
+
+
+def test_the_check_says_version_class_and_whether_the_events_port_is_free(checked):
+    """`batchtop.engine.vllm.check` in this vLLM: supported, the class for this machine's async setting
+    (the CPU build, or no device: the synchronous class), the port free (ready, 0) or taken (1)."""
+    gate = checked["gate_and_check"]["counts"]
+    port = gate["port"]
+    free, taken = gate["free"], gate["taken"]
+    assert gate["free_status"] == 0 and free.strip().endswith("\nready")
+    assert f"vLLM {checked['vllm']}: supported" in free
+    assert "--scheduler-cls batchtop.engine.vllm.scheduler.BatchtopScheduler" in free
+    assert f"events port {port + 1} (rank 0): free" in free
+    assert gate["taken_status"] == 1 and f"events port {port} (rank 0): taken" in taken
+    assert taken.strip().endswith("not ready")
+
+
+@pytest.mark.parametrize("argv", [["--events-port", "70000"],
+                                  ["--data-parallel-size", "0", "--events-port", "1"]])
+def test_the_check_refuses_bad_input_in_one_line(argv):
+    env = next((e for e in sorted(VLLM_ENVS) if not env_skip_reason(e)), None)
+    if env is None:
+        pytest.skip("no vLLM environment here")
+    done = subprocess.run([str(env_python(env)), "-m", "batchtop.engine.vllm.check", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
