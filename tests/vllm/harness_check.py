@@ -153,7 +153,7 @@ def fold_scenario(async_scheduling: bool, seed: int = 1, num_steps: int = 2200) 
     # step N: it retires in N, and the held plan of N+1 drops its preemption (observer._emit_plan).
     retired = {e.request_id for e in events if isinstance(e, ev.RequestRetired)}
     unreported, matched = [], 0
-    for request_id in check.preempt_calls:          # the events: the calls, in order, less the unreported
+    for request_id in check.preempt_calls:  # the events: the calls, in order, less the unreported
         if matched < len(preempted) and preempted[matched] == request_id:
             matched += 1
         else:
@@ -400,14 +400,78 @@ def gate_and_check_scenario() -> dict:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        for name, argv in (("taken", ["--events-port", str(port)]),
-                           ("free", ["--events-port", str(port + 1)])):
+        for name, argv in (
+            ("taken", ["--events-port", str(port)]),
+            ("free", ["--events-port", str(port + 1)]),
+        ):
             text = io.StringIO()
             with contextlib.redirect_stdout(text):
                 out[f"{name}_status"] = check.main(argv)
             out[name] = text.getvalue()
     out["port"] = port
     return {"counts": out, "failures": []}
+
+
+def module_scenario() -> dict:
+    """`python -m batchtop.engine.vllm.harness` (its main, in this interpreter): JSON in, JSON out."""
+    import contextlib
+    import io
+    import tempfile
+
+    from batchtop.engine.vllm import harness
+
+    failures = []
+    with tempfile.TemporaryDirectory() as folder:
+        trace, limits, bad = (f"{folder}/{name}.json" for name in ("trace", "limits", "bad"))
+        with open(trace, "w") as f:
+            json.dump(
+                [
+                    {"arrival_s": 0.0, "num_prompt_tokens": 40, "output_len": 5, "max_tokens": 8},
+                    {"arrival_s": 0.01, "prompt_token_ids": list(range(10, 30)), "output_len": 6},
+                    {"arrival_s": 0.02, "num_prompt_tokens": 30, "output_len": 50, "abort_s": 0.2},
+                ],
+                f,
+            )
+        with open(limits, "w") as f:
+            json.dump({"max_num_seqs": 2, "num_blocks": 20}, f)
+        with open(bad, "w") as f:
+            json.dump([{"arrival_s": 0.0, "output_len": 3, "colour": "red"}], f)
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            status = harness.main(
+                [
+                    "--trace",
+                    trace,
+                    "--limits",
+                    limits,
+                    "--scheduler",
+                    "batchtop",
+                    "--events",
+                    "--step-time-s",
+                    "0.01",
+                ]
+            )
+        errors = io.StringIO()
+        with contextlib.redirect_stderr(errors):
+            bad_status = harness.main(["--trace", bad])
+    result = json.loads(text.getvalue())
+    reasons = {r["request_id"]: r["finish_reason"] for r in result["requests"]}
+    if status != 0 or reasons != {"0": "stop", "1": "length", "2": "abort"}:
+        failures.append(f"status {status}, finish reasons {reasons}")
+    if max(len(s["num_scheduled_tokens"]) for s in result["steps"]) > 2:
+        failures.append("more rows than max_num_seqs 2")
+    kinds = {e["kind"] for e in result["events"]}
+    if bad_status != 2 or "unknown field(s) colour" not in errors.getvalue():
+        failures.append(f"bad trace: status {bad_status}, {errors.getvalue()!r}")
+    return {
+        "counts": {
+            "steps": len(result["steps"]),
+            "events": len(result["events"]),
+            "kinds": sorted(kinds),
+            "reasons": reasons,
+        },
+        "failures": failures,
+    }
 
 
 SCENARIOS = {
@@ -418,6 +482,7 @@ SCENARIOS = {
     "failure": lambda: failure_scenario(False),
     "failure_async": lambda: failure_scenario(True),
     "gate_and_check": gate_and_check_scenario,
+    "module": module_scenario,
 }
 
 

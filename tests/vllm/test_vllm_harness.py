@@ -95,3 +95,12 @@ def test_the_check_refuses_bad_input_in_one_line(argv):
     done = subprocess.run([str(env_python(env)), "-m", "batchtop.engine.vllm.check", *argv],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_the_harness_runs_as_a_module_with_json_in_and_out(checked):
+    """`python -m batchtop.engine.vllm.harness --trace T --limits L --scheduler batchtop --events`:
+    each request ends as its trace says (a stop token, max_tokens, an abort), the limits hold, and
+    batchtop's events come out; a trace with an unknown field is refused in one line, exit 2."""
+    result = checked["module"]
+    assert result["failures"] == []
+    assert "RequestRetired" in result["counts"]["kinds"] and "StepFinished" in result["counts"]["kinds"]
