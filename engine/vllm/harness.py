@@ -142,7 +142,8 @@ def no_model_folder() -> str:
 def build_scheduler(limits: Limits, kind: str = "vllm", model: str | None = None):
     """vLLM's scheduler (or batchtop's subclass) over `model`'s config.json (default: a made-up
     Llama config), on the CPU, with a pool of `limits.num_blocks` blocks. Under batchtop's class
-    its observer and controls run (events in `scheduler.batchtop_events`), without the endpoint."""
+    its observer and controls run (events in `scheduler.batchtop_events`, knobs through
+    `scheduler.batchtop_controls`), never its side endpoint."""
     model_config = ModelConfig(
         model=model or no_model_folder(),
         skip_tokenizer_init=True,
@@ -184,16 +185,14 @@ def build_scheduler(limits: Limits, kind: str = "vllm", model: str | None = None
     )
     sync_cls, async_cls = scheduler_classes(kind)
     cls = async_cls if limits.async_scheduling else sync_cls
-    scheduler = cls(
+    return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=limits.block_size,
+        **({"batchtop_endpoint": False} if kind == "batchtop" else {}),
     )
-    if kind == "batchtop" and scheduler.batchtop_observer is None:
-        scheduler.batchtop_watch()
-    return scheduler
 
 
 class Harness:

@@ -66,7 +66,9 @@ def check_vllm_version(version: str = vllm.__version__) -> None:
 class BatchtopMixin:
     """The observing part, shared by both classes; `self` is a vLLM scheduler."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, batchtop_endpoint: bool = True, **kwargs):
+        """vLLM's arguments, passed through. `batchtop_endpoint=False` (the harness): observe and take
+        knob commands without the side endpoint, whatever $BATCHTOP_EVENTS_PORT says."""
         check_vllm_version()
         super().__init__(*args, **kwargs)
         self.batchtop_events = EventLog(maxlen=EVENT_BUFFER)
@@ -75,7 +77,10 @@ class BatchtopMixin:
         self.batchtop_endpoint = None
         self.batchtop_failure: str | None = None      # why batchtop's part switched off, once it did
         try:
-            self._batchtop_start()
+            if batchtop_endpoint:
+                self._batchtop_start()
+            else:
+                self.batchtop_watch()
         except Exception as error:
             logger.exception("batchtop: could not start; vLLM goes on without it")
             self.batchtop_observer = None
