@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,14 @@ def test_the_harness_runs_as_a_module_with_json_in_and_out(checked):
     result = checked["module"]
     assert result["failures"] == []
     assert "RequestRetired" in result["counts"]["kinds"] and "StepFinished" in result["counts"]["kinds"]
+
+
+def test_batchtop_vllm_check_runs_the_check_with_vllms_python():
+    """From batchtop's side: `batchtop vllm check` hands its flags to vLLM's interpreter (a bad port
+    comes back as the check's exit 2, before vLLM is imported)."""
+    if env_skip_reason(".venv-vllm"):
+        pytest.skip(f"no vLLM 0.32 here: {env_skip_reason('.venv-vllm')}")
+    batchtop = Path(sys.executable).with_name("batchtop")
+    done = subprocess.run([str(batchtop), "vllm", "check", "--events-port", "70000"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "events port must be 1..65535" in done.stderr
