@@ -43,7 +43,7 @@ def time_classes(rows: int, repeats: int, steps: int) -> dict:
     prompt, output = 32, 10 + (repeats + 1) * steps * 2
     limits = Limits(
         max_num_seqs=rows,
-        max_num_batched_tokens=max(rows, 256),
+        max_num_batched_tokens=rows * (prompt + 1),
         max_model_len=prompt + output + 16,
         num_blocks=rows * (-(-(prompt + output + 16) // 16)) + 1,
     )
@@ -54,7 +54,7 @@ def time_classes(rows: int, repeats: int, steps: int) -> dict:
     runs = {}
     for kind in ("vllm", "batchtop"):
         harness = Harness(build_scheduler(limits, kind), trace)
-        harness.run(max_steps=steps)  # every row admitted, its prompt done: decode from here
+        harness.run(max_steps=-(-rows * prompt // limits.max_num_batched_tokens) + 5)  # then all decode
         assert len(harness.scheduler.running) == rows, (kind, len(harness.scheduler.running))
         runs[kind] = harness
     samples = {kind: [] for kind in runs}
