@@ -116,7 +116,7 @@ def in_env(env: str, args) -> dict | None:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def live_step_ms(rows: int = 64) -> dict:
+def live_step_ms(eager: bool, rows: int = 64) -> dict:
     """Median forward_s (ms) of StepFinished at `rows` rows on a real vLLM 0.32 with batchtop's class."""
     import asyncio
 
@@ -135,6 +135,7 @@ def live_step_ms(rows: int = 64) -> dict:
         max_num_seqs=rows,
         max_model_len=1024,
         kv_cache_gib=1,
+        enforce_eager=eager,
     )
     with launch_vllm(options) as server:
         server.wait_healthy(600)
@@ -175,9 +176,11 @@ def render(args, results: dict, live: dict | None) -> str:
         "",
         f"Measured {time.strftime('%Y-%m-%d')} at commit {commit()} on {cpu_name()} ({os.cpu_count()} CPUs) "
         "with `python -m batchtop.engine.bench.vllm_guest_cost"
-        f"{' --no-live' if live is None else ''}`: vLLM's own scheduler under the harness (no model: its "
-        "made-up runner output), every row a decode row, `schedule()` + `update_from_output()` timed per "
-        f"step, stock `Scheduler` and `BatchtopScheduler` (its events drained every step) alternated: "
+        f"{' --no-live' if live is None else ''}{' --eager' if args.eager else ''}"
+        f" --repeats {args.repeats} --steps {args.steps}`: vLLM's own scheduler under the harness (no "
+        "model: its made-up runner output), every row a decode row, `schedule()` + `update_from_output()` "
+        "timed per step, stock `Scheduler` and `BatchtopScheduler` (its events drained every step) "
+        "alternated: "
         f"{args.repeats} repeats of {args.steps} steps each. Per repeat: the mean µs per step; the added µs "
         "is batchtop's minus stock's of the same repeat.",
         "",
@@ -204,8 +207,9 @@ def render(args, results: dict, live: dict | None) -> str:
             lines.append(
                 f"- vLLM {results[env]['vllm']}: at 64 rows batchtop adds {added:.0f} µs per step, "
                 f"**{share:.2%}** of a real CPU step at 64 rows ({live['step_ms']:.1f} ms: the median of "
-                f"{live['steps']} StepFinished events of vLLM 0.32 serving SmolLM2-135M in float32 with "
-                f"batchtop's class, schedule + forward + update); target {TARGET_SHARE:.0%}: "
+                f"{live['steps']} StepFinished events at 64 rows of vLLM 0.32 serving SmolLM2-135M in "
+                f"float32 {'eager' if args.eager else 'with torch.compile'} with batchtop's class, "
+                f"schedule + forward + update, measured in the same run); target {TARGET_SHARE:.0%}: "
                 f"{'met' if share <= TARGET_SHARE else 'missed'}."
             )
     lines.append("- On a GPU a decode step of a served model takes ~10-30 ms: set the added µs against that.")
@@ -219,6 +223,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--no-live", action="store_true", help="no vLLM server: µs only, no share of a real step"
     )
+    parser.add_argument("--eager", action="store_true", help="the live server without torch.compile")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch docs/benchmarks.md")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # in vLLM's interpreter
     args = parser.parse_args(argv)
@@ -231,7 +236,7 @@ def main(argv=None) -> int:
     if not results:
         print("vllm_guest_cost: no vLLM environment here (make setup builds them)", file=sys.stderr)
         return 2
-    live = None if args.no_live or ".venv-vllm" not in results else live_step_ms()
+    live = None if args.no_live or ".venv-vllm" not in results else live_step_ms(args.eager)
     return publish(SECTION, render(args, results, live), write=not args.no_write)
 
 
