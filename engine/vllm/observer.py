@@ -192,8 +192,13 @@ class StepObserver:
                             num_recompute_rows=rows["recompute"], num_decode_rows=num_decode)
 
     def _emit_plan(self, record: _Step) -> None:
+        """Under async scheduling a held plan can name a request that retired meanwhile (it finished in
+        the step before, or was aborted): its part of the plan is dropped, the step's totals stay."""
         step = record.step or self._emitted_step
+        tracks = self._tracks
         for kind, fields in record.plan:
+            if "request_id" in fields and fields["request_id"] not in tracks:
+                continue
             self._emit(kind, step, **fields)
         record.plan = []
         self._emitted_step = step
@@ -208,6 +213,8 @@ class StepObserver:
         forward_s = max(0.0, time.perf_counter() - update_s - record.scheduled_at)
         step = record.step or self._emitted_step
         for request_id, num_tokens, computed, known, recompute in record.prefill_rows:
+            if request_id not in self._tracks:
+                continue                        # retired while this step was in flight
             self._emit(ev.PrefillChunk, step, request_id=request_id, num_tokens=num_tokens,
                        num_computed_tokens=computed, num_known_tokens=known, recompute=recompute)
         sampled = []

@@ -18,6 +18,7 @@ a failure in batchtop's part is logged once and switches batchtop off, vLLM keep
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import vllm
@@ -32,34 +33,58 @@ from batchtop.telemetry.bus import EventLog
 from .control import Controls
 from .observer import StepObserver
 
-SUPPORTED_VLLM = ("0.32.",)
+# The vLLM releases batchtop's tests passed on (tests/vllm: the harness on each, the server on 0.32's CPU
+# build). The class reads scheduler internals that can change in any release, so another is refused
+# unless $BATCHTOP_VLLM_ANY_VERSION=1 (at one's own risk: a wrong reading shows as wrong events, or
+# switches batchtop's part off with the reason; vLLM's own scheduling is never changed by it).
+TESTED_VLLM = ("0.32.0", "0.33.0")
+ANY_VERSION_ENV = "BATCHTOP_VLLM_ANY_VERSION"
 EVENT_BUFFER = 200_000          # events held for the endpoint between its drains
 logger = init_logger(f"vllm.{__name__}")      # through vLLM's log handler
 
 
+def version_problem(version: str = vllm.__version__) -> str | None:
+    """None when `version` is one the tests passed on (or the override is set), else why not."""
+    release = version.split("+")[0]
+    if release in TESTED_VLLM or os.environ.get(ANY_VERSION_ENV) == "1":
+        return None
+    return (f"batchtop's scheduler class is tested on vLLM {', '.join(TESTED_VLLM)}; this is vLLM {version}. "
+            "Install a tested vLLM, start vLLM without --scheduler-cls, or set "
+            f"{ANY_VERSION_ENV}=1 to run it anyway at your own risk (it reads scheduler internals that "
+            "change between versions).")
+
+
 def check_vllm_version(version: str = vllm.__version__) -> None:
-    if not version.startswith(SUPPORTED_VLLM):
-        raise RuntimeError("batchtop's scheduler class supports vLLM "
-                           f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)}; this is vLLM {version}. Start "
-                           "vLLM without --scheduler-cls, or install a supported vLLM (batchtop reads "
-                           "scheduler internals that change between versions).")
+    problem = version_problem(version)
+    if problem is not None:
+        raise RuntimeError(problem)
+    if version.split("+")[0] not in TESTED_VLLM:
+        logger.warning("batchtop: vLLM %s is not one batchtop was tested on (%s); %s=1 runs it anyway",
+                       version, ", ".join(TESTED_VLLM), ANY_VERSION_ENV)
 
 
 class BatchtopMixin:
     """The observing part, shared by both classes; `self` is a vLLM scheduler."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, batchtop_endpoint: bool = True, **kwargs):
+        """vLLM's arguments, passed through. `batchtop_endpoint=False` (the harness): observe and take
+        knob commands without the side endpoint, whatever $BATCHTOP_EVENTS_PORT says."""
         check_vllm_version()
         super().__init__(*args, **kwargs)
         self.batchtop_events = EventLog(maxlen=EVENT_BUFFER)
         self.batchtop_observer: StepObserver | None = None
         self.batchtop_controls: Controls | None = None
         self.batchtop_endpoint = None
+        self.batchtop_failure: str | None = None      # why batchtop's part switched off, once it did
         try:
-            self._batchtop_start()
-        except Exception:
+            if batchtop_endpoint:
+                self._batchtop_start()
+            else:
+                self.batchtop_watch()
+        except Exception as error:
             logger.exception("batchtop: could not start; vLLM goes on without it")
             self.batchtop_observer = None
+            self.batchtop_failure = f"could not start: {type(error).__name__}: {error}"
 
     def _batchtop_start(self) -> None:
         port = os.environ.get("BATCHTOP_EVENTS_PORT")
@@ -67,6 +92,13 @@ class BatchtopMixin:
             logger.warning("batchtop: BATCHTOP_EVENTS_PORT is not set, so nobody could read batchtop's "
                            "events: the scheduler runs as vLLM's own")
             return
+        self.batchtop_watch()
+        from .endpoint import start_endpoint
+        self.batchtop_endpoint = start_endpoint(self, int(port) + self._batchtop_rank())
+
+    def batchtop_watch(self) -> None:
+        """Observe and take knob commands, without the side endpoint (the harness reads the events
+        from `batchtop_events` and sets knobs through `batchtop_controls`)."""
         emit = self.batchtop_events.append
         self.batchtop_observer = StepObserver(emit, blocks_of=self._batchtop_blocks_of,
                                               kv_usage=self._batchtop_kv_usage)
@@ -84,8 +116,6 @@ class BatchtopMixin:
             emit(kind(step=self.batchtop_observer.step, t=time.monotonic()))
 
         self.batchtop_controls = Controls(self, announce, refuse, note_paused)
-        from .endpoint import start_endpoint
-        self.batchtop_endpoint = start_endpoint(self, int(port) + self._batchtop_rank())
 
     def _batchtop_rank(self) -> int:
         return int(self.vllm_config.parallel_config.data_parallel_rank)
@@ -99,13 +129,17 @@ class BatchtopMixin:
         return total - pool.get_num_free_blocks(), total
 
     def _batchtop_failed(self, where: str) -> None:
+        """In an `except` block: batchtop's part is off from here on (vLLM's own scheduling goes on, as
+        stock), and `batchtop_failure` says why."""
+        error = sys.exc_info()[1]
         logger.exception("batchtop: %s failed; batchtop's events stop here, vLLM goes on", where)
         self.batchtop_observer = None
+        self.batchtop_failure = f"{where} failed: {type(error).__name__}: {error}"
 
     # -- vLLM's hooks ----------------------------------------------------------------------
 
-    def add_request(self, request) -> None:
-        super().add_request(request)
+    def add_request(self, request, *args, **kwargs) -> None:
+        super().add_request(request, *args, **kwargs)
         observer = self.batchtop_observer
         if observer is not None and request.request_id in self.requests:
             try:
@@ -113,8 +147,8 @@ class BatchtopMixin:
             except Exception:
                 self._batchtop_failed("add_request")
 
-    def finish_requests(self, request_ids, finished_status):
-        finished = super().finish_requests(request_ids, finished_status)
+    def finish_requests(self, request_ids, finished_status, *args, **kwargs):
+        finished = super().finish_requests(request_ids, finished_status, *args, **kwargs)
         observer = self.batchtop_observer
         if observer is not None and finished:
             try:
@@ -201,9 +235,9 @@ class BatchtopMixin:
         finally:
             self.max_num_scheduled_tokens = budget
 
-    def update_from_output(self, scheduler_output, model_runner_output):
+    def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
         started = time.perf_counter()
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output, *args, **kwargs)
         observer = self.batchtop_observer
         if observer is not None:
             try:

@@ -7,7 +7,16 @@ not be made, the tests skip and the summary says why.
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import EVENTS_PORT, START_TIMEOUT_S, STOCK_PORT, EventFollower, options, skip_reason
+from vllm_helpers import (
+    EVENTS_PORT,
+    START_TIMEOUT_S,
+    STOCK_PORT,
+    VLLM_ENVS,
+    EventFollower,
+    env_skip_reason,
+    options,
+    skip_reason,
+)
 
 from batchtop.engine.vllm.launch import launch_vllm
 
@@ -16,6 +25,10 @@ def pytest_terminal_summary(terminalreporter):
     reason = skip_reason()
     if reason:
         terminalreporter.write_line(f"vLLM tests skipped: {reason}", yellow=True)
+    for env, version in VLLM_ENVS.items():
+        reason = env_skip_reason(env)
+        if reason:
+            terminalreporter.write_line(f"vLLM {version} harness tests skipped: {reason}", yellow=True)
 
 
 def _launched(tmp_path_factory, name: str, settings):

@@ -115,7 +115,8 @@ def test_preemptions_match_vllms_count_and_the_pool_drains(vllm_server, follower
 
 
 def test_max_num_seqs_lowered_live_binds_and_a_value_above_the_start_is_refused(vllm_server, follower):
-    events_url, base_url = vllm_server[1], vllm_server[0].url
+    """(test_vllm_knobs_live.py turns it under load and reads vLLM's /metrics while the load goes on.)"""
+    events_url = vllm_server[1]
     refused = httpx.post(f"{events_url}/v1/knobs", json={"name": "max_num_seqs", "value": MAX_NUM_SEQS + 1})
     assert refused.status_code == 400 and "started with" in refused.json()["error"]["message"]
     assert httpx.get(f"{events_url}/v1/knobs").json()["knobs"]["max_num_seqs"] == MAX_NUM_SEQS
@@ -124,12 +125,10 @@ def test_max_num_seqs_lowered_live_binds_and_a_value_above_the_start_is_refused(
         assert accepted.status_code == 200, accepted.text
         responses = run_load(6, 24)
         assert len(responses) == 6
-        running_seen = metric(base_url, "vllm:num_requests_running")
         events = follower.wait_for(lambda evs: any(isinstance(e, ev.KnobChanged) and e.new == 2 for e in evs))
         change = next(e for e in reversed(events) if isinstance(e, ev.KnobChanged) and e.new == 2)
         after = [e for e in events if isinstance(e, ev.StepPlanned) and e.t > change.t]
         assert after and max(e.num_running for e in after) <= 2
-        assert running_seen <= 2
         assert any(isinstance(e, ev.CommandRefused) and "max_num_seqs" in e.command for e in events)
     finally:
         httpx.post(f"{events_url}/v1/knobs", json={"name": "max_num_seqs", "value": MAX_NUM_SEQS})

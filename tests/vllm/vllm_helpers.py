@@ -28,9 +28,28 @@ def options(**overrides) -> VllmOptions:
     return VllmOptions(**{**settings, **overrides})
 
 
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_ENVS = {".venv-vllm": "0.32", ".venv-vllm033": "0.33"}     # make setup builds both
+
+
+def env_python(env: str) -> Path:
+    return ROOT / env / "bin" / "python"
+
+
+def env_skip_reason(env: str) -> str | None:
+    """None when the vLLM environment `env` is there, else why not (what make setup recorded)."""
+    unavailable = ROOT / env / "UNAVAILABLE"
+    if unavailable.exists():
+        return unavailable.read_text().strip()
+    if not env_python(env).exists():
+        return f"no vLLM environment at {ROOT / env} (make setup creates it)"
+    return None
+
+
 def skip_reason() -> str | None:
+    """Why the vLLM server tests cannot run here (they use .venv-vllm, or $BATCHTOP_VLLM_PYTHON)."""
     reason = vllm_available()
-    unavailable = Path(__file__).resolve().parents[2] / ".venv-vllm" / "UNAVAILABLE"
+    unavailable = ROOT / ".venv-vllm" / "UNAVAILABLE"
     if unavailable.exists():
         reason = unavailable.read_text().strip()
     return reason
@@ -39,9 +58,9 @@ def skip_reason() -> str | None:
 class EventFollower:
     """Every batchtop event of the side endpoint, read through the dashboard's own client."""
 
-    def __init__(self, url: str, from_step: int | None = 0):
+    def __init__(self, url: str, from_step: int | None = 0, api_key: str | None = None):
         from batchtop.tui.remote_source import RemoteSource
-        self.source = RemoteSource(url, from_step=from_step).start()
+        self.source = RemoteSource(url, api_key, from_step=from_step).start()
         self.events: list = []
         self._lock = threading.Lock()
 

@@ -1,0 +1,118 @@
+"""batchtop's class inside vLLM's real scheduler on a virtual clock, on every vLLM version it supports
+(0.32's CPU build in .venv-vllm, 0.33 in .venv-vllm033), each in its own interpreter: no model,
+no server. harness_check.py runs the scenarios and checks every step against vLLM's own objects."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_helpers import VLLM_ENVS, env_python, env_skip_reason
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module", params=sorted(VLLM_ENVS))
+def checked(request):
+    """(vLLM version, the scenarios' results) in one vLLM environment."""
+    env = request.param
+    reason = env_skip_reason(env)
+    if reason:
+        pytest.skip(f"no vLLM {VLLM_ENVS[env]} here: {reason}")
+    done = subprocess.run(
+        [str(env_python(env)), str(HERE / "harness_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["vllm"].startswith(VLLM_ENVS[env])
+    return result
+
+
+@pytest.mark.parametrize("scenario", ["fold", "fold_async"])
+def test_the_fold_of_the_events_is_vllms_state_after_every_step(checked, scenario):
+    """Over > 2,000 steps of a random trace with a small pool, shared prefixes (prefix caching),
+    chunked prefill, aborts and knobs turned at random steps: the fold equals vLLM's requests, queues,
+    blocks and token counts, and every RequestPreempted is a real `_preempt_request`."""
+    result = checked[scenario]
+    assert result["failures"] == []
+    counts = result["counts"]
+    assert counts["steps"] >= 2000 and counts["checks"] >= 2000
+    for seen in ("preemptions", "prefix_hits", "chunks", "aborts", "knob_changes"):
+        assert counts[seen] > 0, (seen, counts)
+
+
+def test_max_num_seqs_lowered_under_load_never_preempts_and_binds_as_rows_finish(checked):
+    result = checked["max_num_seqs"]
+    assert result["failures"] == []
+    assert result["counts"]["max_running_after_raise"] > 2
+
+
+def test_the_budget_and_the_chunk_threshold_lowered_live_bound_every_later_step(checked):
+    assert checked["budget"]["failures"] == []
+
+
+@pytest.mark.parametrize("scenario", ["failure", "failure_async"])
+def test_a_failure_in_batchtops_part_leaves_vllms_scheduling_as_stock_and_says_why(checked, scenario):
+    result = checked[scenario]
+    assert result["failures"] == []
+    assert result["counts"]["preemptions"] > 0
+    assert "injected fault" in result["counts"]["failure"]
+
+
+def test_an_untested_vllm_version_is_refused_naming_the_tested_ones_and_the_override(checked):
+    gate = checked["gate_and_check"]["counts"]
+    assert "tested on vLLM 0.32.0, 0.33.0; this is vLLM 0.34.0" in gate["refused"]
+    assert "BATCHTOP_VLLM_ANY_VERSION=1" in gate["refused"] and gate["overridden"]
+
+
+def test_the_check_says_version_class_and_whether_the_events_port_is_free(checked):
+    """`batchtop.engine.vllm.check` in this vLLM: supported, the class for this machine's async setting
+    (the CPU build, or no device: the synchronous class), the port free (ready, 0) or taken (1)."""
+    gate = checked["gate_and_check"]["counts"]
+    port = gate["port"]
+    free, taken = gate["free"], gate["taken"]
+    assert gate["free_status"] == 0 and free.strip().endswith("\nready")
+    assert f"vLLM {checked['vllm']}: supported" in free
+    assert "--scheduler-cls batchtop.engine.vllm.scheduler.BatchtopScheduler" in free
+    assert f"events port {port + 1} (rank 0): free" in free
+    assert gate["taken_status"] == 1 and f"events port {port} (rank 0): taken" in taken
+    assert taken.strip().endswith("not ready")
+
+
+@pytest.mark.parametrize("argv", [["--events-port", "70000"],
+                                  ["--data-parallel-size", "0", "--events-port", "1"]])
+def test_the_check_refuses_bad_input_in_one_line(argv):
+    env = next((e for e in sorted(VLLM_ENVS) if not env_skip_reason(e)), None)
+    if env is None:
+        pytest.skip("no vLLM environment here")
+    done = subprocess.run([str(env_python(env)), "-m", "batchtop.engine.vllm.check", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_the_harness_runs_as_a_module_with_json_in_and_out(checked):
+    """`python -m batchtop.engine.vllm.harness --trace T --limits L --scheduler batchtop --events`:
+    each request ends as its trace says (a stop token, max_tokens, an abort), the limits hold, and
+    batchtop's events come out; a trace with an unknown field is refused in one line, exit 2."""
+    result = checked["module"]
+    assert result["failures"] == []
+    assert "RequestRetired" in result["counts"]["kinds"] and "StepFinished" in result["counts"]["kinds"]
+
+
+def test_batchtop_vllm_check_runs_the_check_with_vllms_python():
+    """From batchtop's side: `batchtop vllm check` hands its flags to vLLM's interpreter (a bad port
+    comes back as the check's exit 2, before vLLM is imported)."""
+    if env_skip_reason(".venv-vllm"):
+        pytest.skip(f"no vLLM 0.32 here: {env_skip_reason('.venv-vllm')}")
+    batchtop = Path(sys.executable).with_name("batchtop")
+    done = subprocess.run([str(batchtop), "vllm", "check", "--events-port", "70000"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "events port must be 1..65535" in done.stderr

