@@ -20,6 +20,7 @@ from batchtop.telemetry.protocol.knob import SCHEDULER_KNOBS, Knob
 
 PAUSED_POLL_S = 0.05          # while paused, the engine thread checks for resume this often
 MAX_COMMANDS = 1024           # commands queued for vLLM's engine thread; more are refused (503)
+START_NOTE = "is the value vLLM started with (it sized its buffers from it; restart vLLM to go higher)"
 MEANINGS = {"max_num_seqs": "vLLM's admission cap (max_num_active_reqs); at most its start value",
             "max_num_batched_tokens": "vLLM's token budget (max_num_scheduled_tokens); at most its start "
                                       "value",
@@ -32,7 +33,7 @@ def vllm_knobs(scheduler) -> dict[str, Knob]:
     start = {"max_num_seqs": scheduler.max_num_active_reqs,
              "max_num_batched_tokens": scheduler.max_num_scheduled_tokens,
              "long_prefill_token_threshold": scheduler.max_num_scheduled_tokens}
-    return {name: dataclasses.replace(row, high=start[name], help=MEANINGS[name])
+    return {name: dataclasses.replace(row, high=start[name], help=MEANINGS[name], high_note=START_NOTE)
             for name, row in SCHEDULER_KNOBS.items()}
 
 

@@ -26,6 +26,7 @@ class Knob:
     choices: tuple[str, ...] = ()
     applies: str = NEXT_STEP          # when a change takes effect: NEXT_STEP or NEXT_BATCH
     dashboard: bool = False           # the dashboard's keys and prompt offer it (the API sets every knob)
+    high_note: str = ""               # why the upper limit is what it is, said when a value goes past it
 
     def upper(self, capacity: int | None = None) -> float | None:
         return capacity if self.high is None else self.high
@@ -48,7 +49,10 @@ class Knob:
     def check(self, value, capacity: int | None = None):
         """`value` when allowed as it is; ValueError naming the allowed values otherwise."""
         if not self._allows(value, capacity):
-            raise ValueError(f"{self.name} must be {self.describe(capacity)}, got {value!r}")
+            high = self.upper(capacity)
+            above = self.high_note and isinstance(value, (int, float)) and high is not None and value > high
+            note = f"; {_number(high)} {self.high_note}" if above else ""
+            raise ValueError(f"{self.name} must be {self.describe(capacity)}, got {value!r}{note}")
         return value
 
     def parse(self, value, capacity: int | None = None):

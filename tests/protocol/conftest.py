@@ -111,4 +111,4 @@ def guest_host(tmp_path_factory):
 
 @pytest.fixture(params=["serve", "vllm"])
 def host(request) -> Host:
-    return request.getfixturevalue(f"{request.param}_host")
+    return request.getfixturevalue({"serve": "serve_host", "vllm": "guest_host"}[request.param])
