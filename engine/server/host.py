@@ -42,6 +42,8 @@ class BatchtopServer(ControlHost):
         self.rules = AccessRules(api_key=api_key or None, bound_host=host, allowed_hosts=tuple(allowed_hosts),
                                  allowed_origins=tuple(allowed_origins), max_body_bytes=max_body_bytes)
         self.api_key = self.rules.api_key
+        self.max_body_bytes = max_body_bytes
+        self.tokenizer = self.engine.tokenizer
         self.created = int(time.time())
         self.subscription = bus.subscribe(maxlen=max(event_history, 200_000))
         self.ring = EventRing(event_history)
