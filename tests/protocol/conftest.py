@@ -8,47 +8,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+from protocol_helpers import ALLOWED_HOST, ALLOWED_ORIGIN, API_KEY, MAX_BODY_BYTES, START_TIMEOUT_S, Host
 
 HERE = Path(__file__).parent
-API_KEY = "protocol-test-key"
-ALLOWED_HOST = "batchtop.test"
-ALLOWED_ORIGIN = "https://dashboard.example"
-MAX_BODY_BYTES = 4096
-START_TIMEOUT_S = 400
-
-
-@dataclass
-class Host:
-    kind: str
-    url: str
-    max_num_seqs: int                 # the start value (vLLM: the knob's upper limit)
-    process: subprocess.Popen | None = None
-    server: object = None             # serve only: the BatchtopServer
-
-    def add(self, n: int) -> None:
-        """n requests of 16 prompt tokens and 24 output tokens."""
-        if self.process is not None:
-            assert self.tell(f"add {n}").startswith("ok")
-            return
-        from batchtop.engine.core.sampling import SamplingParams
-        for _ in range(n):
-            self.server.loop.add_request(list(range(1, 17)), SamplingParams(max_tokens=24, ignore_eos=True))
-
-    def client(self, key: str | None = API_KEY, **headers) -> httpx.Client:
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
-
-    def tell(self, line: str) -> str:
-        """guest only: a command to guest_host.py, its answer."""
-        self.process.stdin.write(line + "\n")
-        self.process.stdin.flush()
-        return self.process.stdout.readline().strip()
 
 
 def free_port() -> int:

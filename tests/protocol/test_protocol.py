@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from conftest import ALLOWED_HOST, ALLOWED_ORIGIN, API_KEY, MAX_BODY_BYTES
+from protocol_helpers import ALLOWED_HOST, ALLOWED_ORIGIN, API_KEY, MAX_BODY_BYTES
 
 
 def knobs(host) -> dict:
