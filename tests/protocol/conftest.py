@@ -60,6 +60,8 @@ def guest_host(tmp_path_factory):
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         line = process.stdout.readline().strip()       # blocks until ready (or the process ends)
+        while line and line != "ready":
+            line = process.stdout.readline().strip()
         if line != "ready" or time.monotonic() > deadline:
             raise RuntimeError(f"the guest host did not start ({line!r}); see {log.name}")
         yield Host("vllm", f"http://127.0.0.1:{port}", 8, process)

@@ -39,4 +39,7 @@ class Host:
         """guest only: a command to guest_host.py, its answer."""
         self.process.stdin.write(line + "\n")
         self.process.stdin.flush()
-        return self.process.stdout.readline().strip()
+        while True:                      # skip anything else the process prints (vLLM's log lines)
+            answer = self.process.stdout.readline()
+            if not answer or answer.startswith("ok "):
+                return answer.strip()

@@ -68,8 +68,9 @@ def test_pause_step_resume(host):
         assert c.get("/health").json()["paused"] is False
 
 
-def _read_events(host, headers: dict, count: int) -> tuple[dict, list[tuple[int, dict]]]:
-    """The hello and the first `count` events (seq, data) of one connection."""
+def _read_events(host, headers: dict, count: int, on_hello=None) -> tuple[dict, list[tuple[int, dict]]]:
+    """The hello and the first `count` events (seq, data) of one connection; `on_hello()` runs once the
+    stream is open (so what it causes is streamed live)."""
     hello, events = None, []
     with host.client() as c, c.stream("GET", "/v1/events", headers=headers) as response:
         assert response.status_code == 200
@@ -83,6 +84,8 @@ def _read_events(host, headers: dict, count: int) -> tuple[dict, list[tuple[int,
                 data = json.loads(line.split(":", 1)[1])
                 if kind == "hello":
                     hello = data
+                    if on_hello is not None:
+                        on_hello()
                 elif kind is None:
                     events.append((seq, data))
                 kind, seq = None, None
@@ -92,11 +95,9 @@ def _read_events(host, headers: dict, count: int) -> tuple[dict, list[tuple[int,
 
 
 def test_the_event_stream_resumes_exactly_after_the_last_event_id(host):
-    host.add(2)
-    hello, first = _read_events(host, {}, 3)
+    hello, first = _read_events(host, {}, 3, on_hello=lambda: host.add(2))
     assert hello["server_id"] and "knob_table" in hello and hello["batchtop_failure"] is None
     last = first[-1][0]
-    host.add(2)
     _, resumed = _read_events(host, {"Last-Event-ID": str(last)}, 2)
     assert [seq for seq, _ in resumed] == [last + 1, last + 2]
 
