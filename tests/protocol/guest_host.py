@@ -31,7 +31,8 @@ MAX_TOKENS = 512
 
 def build(model_dir: str) -> BatchtopScheduler:
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_TOKENS, dtype="float32")
-    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK_SIZE),
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)   # requests here carry no hashes
+    config = VllmConfig(model_config=model, cache_config=cache,
                         scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS,
                                                          max_num_batched_tokens=MAX_TOKENS,
                                                          max_model_len=MAX_TOKENS, is_encoder_decoder=False),
