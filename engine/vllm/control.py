@@ -14,9 +14,12 @@ that start value as its upper limit, so a value above it is refused and changes 
 from __future__ import annotations
 
 import dataclasses
+import time
 
+from batchtop.telemetry import events as ev
 from batchtop.telemetry.protocol.commands import CommandQueue
 from batchtop.telemetry.protocol.knob import SCHEDULER_KNOBS, Knob
+from batchtop.telemetry.protocol.knob import lookup as lookup_knob
 
 PAUSED_POLL_S = 0.05          # while paused, the engine thread checks for resume this often
 MAX_COMMANDS = 1024           # commands queued for vLLM's engine thread; more are refused (503)
@@ -51,6 +54,25 @@ def apply_knob(scheduler, name: str, value: int) -> None:
         scheduler.max_num_scheduled_tokens = value
     else:
         scheduler.scheduler_config.long_prefill_token_threshold = value
+
+
+def set_knob(scheduler, name: str, value, source: str = "api") -> str | None:
+    """Without the endpoint (the harness): check against `vllm_knobs`, queue for the next step; the
+    refusal's message, or None when queued. The endpoint answers through the protocol's routes."""
+    try:
+        value = lookup_knob(vllm_knobs(scheduler), name).parse(value)
+    except ValueError as error:
+        return str(error)
+    commands = scheduler.batchtop_commands
+
+    def apply():
+        old = knob_values(scheduler)[name]
+        apply_knob(scheduler, name, value)
+        scheduler.batchtop_events.append(ev.KnobChanged(step=scheduler.batchtop_observer.step,
+                                                        t=time.monotonic(), name=name, old=old, new=value,
+                                                        source=source))
+    commands.submit(apply)
+    return None
 
 
 def before_step(commands: CommandQueue) -> bool:
