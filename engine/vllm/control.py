@@ -32,7 +32,8 @@ MEANINGS = {"max_num_seqs": "vLLM's admission cap (max_num_active_reqs); at most
 
 
 def vllm_knobs(scheduler) -> dict[str, Knob]:
-    """vLLM's knobs, each capped at the value vLLM started with."""
+    """vLLM's knobs, each capped at the value vLLM started with: call once, before any change (the
+    scheduler keeps them as `batchtop_knobs`)."""
     start = {"max_num_seqs": scheduler.max_num_active_reqs,
              "max_num_batched_tokens": scheduler.max_num_scheduled_tokens,
              "long_prefill_token_threshold": scheduler.max_num_scheduled_tokens}
@@ -60,7 +61,7 @@ def set_knob(scheduler, name: str, value, source: str = "api") -> str | None:
     """Without the endpoint (the harness): check against `vllm_knobs`, queue for the next step; the
     refusal's message, or None when queued. The endpoint answers through the protocol's routes."""
     try:
-        value = lookup_knob(vllm_knobs(scheduler), name).parse(value)
+        value = lookup_knob(scheduler.batchtop_knobs, name).parse(value)
     except ValueError as error:
         return str(error)
     commands = scheduler.batchtop_commands

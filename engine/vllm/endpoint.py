@@ -28,7 +28,7 @@ from batchtop.telemetry.protocol.routes import ControlHost, lifespan, mount
 from batchtop.telemetry.protocol.runner import ServerThread
 from batchtop.telemetry.protocol.stream import EventRing
 
-from .control import apply_knob, knob_values, vllm_knobs
+from .control import apply_knob, knob_values
 
 EVENT_HISTORY = 100_000
 logger = init_logger(f"vllm.{__name__}")      # through vLLM's log handler
@@ -41,7 +41,7 @@ class SideEndpoint(ControlHost):
         super().__init__()
         self.scheduler = scheduler
         self.commands = scheduler.batchtop_commands
-        self.knob_table = vllm_knobs(scheduler)
+        self.knob_table = scheduler.batchtop_knobs
         self.rules = rules
         self.ring = EventRing(EVENT_HISTORY)
         self.app = FastAPI(title="batchtop inside vLLM", lifespan=lifespan(self),

@@ -31,7 +31,7 @@ from batchtop.telemetry import events as ev
 from batchtop.telemetry.bus import EventLog
 from batchtop.telemetry.protocol.commands import CommandQueue
 
-from .control import MAX_COMMANDS, before_step
+from .control import MAX_COMMANDS, before_step, vllm_knobs
 from .observer import StepObserver
 
 # The vLLM releases batchtop's tests passed on (tests/vllm: the harness on each, the server on 0.32's CPU
@@ -113,6 +113,7 @@ class BatchtopMixin:
             emit(kind(step=self.batchtop_observer.step, t=time.monotonic()))
 
         self.batchtop_commands = CommandQueue(MAX_COMMANDS, on_paused=note_paused, on_error=refuse)
+        self.batchtop_knobs = vllm_knobs(self)         # capped at the start values, taken once
 
     def _batchtop_rank(self) -> int:
         return int(self.vllm_config.parallel_config.data_parallel_rank)
