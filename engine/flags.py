@@ -53,5 +53,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         preemption_mode=args.preemption_mode, batching_mode=args.batching_mode,
         static_batch_size=args.static_batch_size, layout=args.layout,
         attention_backend=args.attention_backend, num_threads=args.threads, device=args.device,
-        cuda_graphs=args.cuda_graphs, batch_capacity=max(256, args.max_num_seqs),
+        cuda_graphs=args.cuda_graphs,
     )

@@ -278,7 +278,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
     )
 }
 
-# A row's kind, decided once (engine.scheduler.Row.kind) for the engine, StepPlanned and PrefillChunk.
+# A row's kind, decided once (Row.kind, engine/core/scheduler_output.py) for the engine, StepPlanned and
+# PrefillChunk.
 ROW_KINDS = ("prefill", "recompute", "decode", "padding")
 
 # Why a request waits: what stopped admission at the head of the queue while it waited.

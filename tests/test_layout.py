@@ -3,6 +3,7 @@ function-level ones included."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -120,3 +121,59 @@ def test_the_rules_see_a_violation():
             "batchtop.engine.core.fake": ["batchtop.engine.server.app"]}
     finally:
         del MODULES["batchtop.engine.core.fake"]
+
+
+PROTOCOL = "batchtop.telemetry.protocol"
+# What only the protocol package may define: one command queue, one knob type and validator, one
+# set of access rules, one server runner (a subclass of the protocol's, adding a host's state, is fine).
+PROTOCOL_ONLY_CLASSES = re.compile(r".*(CommandQueue|Commands|Controls|KnobRule|KnobUpdate|BodyLimit|"
+                                   r"BearerAuth|AccessRules|Guard)$|Knob$|EventRing$|ServerThread$")
+PROTOCOL_ONLY_CALLS = ("queue.Queue", "queue.SimpleQueue", "uvicorn.Server", "uvicorn.Config")
+
+
+def _definitions(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = {ast.unparse(base) for base in node.bases}
+            yield "class", node.name, bases
+        elif isinstance(node, ast.Call):
+            yield "call", ast.unparse(node.func), set()
+
+
+def test_the_protocol_is_a_leaf_the_vllm_guest_may_import():
+    allowed_top = {"fastapi", "starlette", "pydantic", "uvicorn", "sse_starlette", "__future__"}
+    allowed_top |= set(sys.stdlib_module_names)
+    bad = {m: sorted(n for n in names if not n.startswith("batchtop.telemetry") and n.split(".")[0] not in
+                     allowed_top) for m, names in MODULES.items() if m.startswith(PROTOCOL)}
+    assert {m: n for m, n in bad.items() if n} == {}
+    for guest in ("endpoint", "scheduler", "control"):
+        assert any(n.startswith(PROTOCOL) for n in MODULES[f"batchtop.engine.vllm.{guest}"]), guest
+    for host in ("batchtop.engine.server.app", "batchtop.engine.server.host", "batchtop.engine.core.loop"):
+        assert any(n.startswith(PROTOCOL) for n in MODULES[host]), host
+
+
+def test_no_second_copy_of_the_command_queue_knob_validator_rules_or_runner():
+    copies = []
+    for top in PACKAGES:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            module = module_name(path)
+            if module.startswith(PROTOCOL):
+                continue
+            for kind, name, bases in _definitions(path):
+                if kind == "class" and PROTOCOL_ONLY_CLASSES.match(name) and not any(
+                        base.startswith("runner.") for base in bases):
+                    copies.append(f"{module}: class {name}")
+                elif kind == "call" and name in PROTOCOL_ONLY_CALLS:
+                    copies.append(f"{module}: {name}()")
+                if kind == "class" and name.endswith("Move") and module != "batchtop.telemetry.rows":
+                    copies.append(f"{module}: class {name} (a row move is telemetry.rows.RowMove)")
+    assert copies == []
+
+
+def test_the_copy_rule_sees_a_copy(tmp_path):
+    fake = tmp_path / "fake.py"
+    fake.write_text("import queue\nclass KnobRule: pass\nq = queue.SimpleQueue()\n")
+    found = [(kind, name) for kind, name, _ in _definitions(fake)]
+    assert ("class", "KnobRule") in found and PROTOCOL_ONLY_CLASSES.match("KnobRule")
+    assert ("call", "queue.SimpleQueue") in found

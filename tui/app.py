@@ -17,10 +17,6 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.widgets import ContentSwitcher, Footer, Static
 
-from batchtop.engine.core.knobs import BATCHING_MODES, DASHBOARD_KNOBS
-from batchtop.engine.workload.arrivals import DISTRIBUTIONS as LENGTH_DISTS
-from batchtop.engine.workload.arrivals import LOAD_KNOBS
-
 from .model import DashboardModel
 from .plots import PLOT_WINDOWS_S, PLOTS, PlotPanel
 from .screens import ConfirmScreen, HelpScreen, PromptScreen
@@ -29,12 +25,6 @@ from .tables import COLUMNS, EventLogView, RequestTable
 from .widgets import HeaderBar, KvPanel, SlotGrid, TimelineView
 
 VIEWS = ("requests", "plots", "events", "timeline")
-KNOB_ALIASES = {
-    "seqs": "max_num_seqs", "max_seqs": "max_num_seqs",
-    "budget": "max_num_batched_tokens", "tokens": "max_num_batched_tokens",
-    "chunk": "long_prefill_token_threshold", "threshold": "long_prefill_token_threshold",
-    "mode": "batching_mode", "rate": "load_rate", "dist": "length_dist",
-}
 WIDE_COLUMNS = 130        # from here on the timeline sits beside the request table
 IDLE_REDRAW_TICKS = 10     # with nothing new, redraw once a second (ages and rates move)
 
@@ -331,17 +321,21 @@ class BatchtopApp(App):
     # -- actions: knobs -----------------------------------------------------------------------
 
     def set_knob(self, name: str, value) -> str | None:
-        """Ask the source to change a knob; the refusal (a message) or None. Shown either way."""
-        name = KNOB_ALIASES.get(name, name)
-        if name not in DASHBOARD_KNOBS + LOAD_KNOBS:
-            error = f"unknown knob {name!r}; knobs: {', '.join(DASHBOARD_KNOBS + LOAD_KNOBS)}"
+        """Ask the source to change a knob; the refusal (a message) or None. Shown either way. A knob is
+        named in full or by its label ("seqs"); only the source's own knobs are offered."""
+        offered = self.source.offered_knobs()
+        name = next((k.name for k in offered.values() if k.label == name), name)
+        if self.source.read_only:
+            error = self.source.set_knob(name, value) or "read-only"
+        elif name not in offered:
+            error = f"unknown knob {name!r} over this {self.source.kind} source; knobs: {', '.join(offered)}"
         else:
             error = self.source.set_knob(name, value)
         if error:
             self.say(f"refused: {error}", error=True)
             return error
-        if name == "batching_mode":
-            self.say(f"batching_mode → {value} requested (applies at the next batch boundary)")
+        if offered[name].applies != "next step":
+            self.say(f"{name} → {value} requested (applies at the {offered[name].applies})")
         else:
             self.model.knobs[name] = _coerce(value)     # KnobChanged confirms it a tick later
             self.say(f"{name} → {value}")
@@ -361,9 +355,24 @@ class BatchtopApp(App):
                 self.say(f"type name=value, e.g. max_num_seqs=32 (got {value!r})", error=True)
                 return
             self.set_knob(name.strip(), raw.strip())
-        knobs = ", ".join(DASHBOARD_KNOBS + LOAD_KNOBS)
-        self.push_screen(PromptScreen(f"knob=value  ({knobs}; short: seqs budget chunk mode rate dist)",
-                                      placeholder="max_num_seqs=32"), done)
+        offered = self.source.offered_knobs()
+        if not offered:
+            self.say(f"this {self.source.kind} source has no knobs to set", error=True)
+            return
+        names = ", ".join(offered)
+        labels = " ".join(k.label for k in offered.values())
+        first = next(iter(offered.values()))
+        self.push_screen(PromptScreen(f"knob=value  ({names}; short: {labels})",
+                                      placeholder=f"{first.name}={self._suggestion(first)}"), done)
+
+    def _suggestion(self, knob) -> object:
+        """A value to show in the prompt: half the current one, never past the knob's limits."""
+        if knob.choices:
+            return knob.choices[0]
+        current = self.model.knobs.get(knob.name)
+        value = current // 2 if isinstance(current, int) and current > 1 else (current or knob.low)
+        high = knob.upper()
+        return value if high is None else min(value, int(high) if knob.type is int else high)
 
     def action_knob_step(self, name: str, up: bool) -> None:
         current = self.model.knobs.get(name)
@@ -377,6 +386,13 @@ class BatchtopApp(App):
             new = (current * 2 if current else 16) if up else (current // 2 if current > 16 else 0)
         else:
             new = current * 2 if up else max(1, current // 2)
+        knob = self.source.offered_knobs().get(name)
+        high = knob.upper() if knob is not None else None
+        if up and high is not None and new > high:          # vLLM's knobs end at their start values
+            if current >= high:
+                self.say(f"{name} is at its limit of {_plain(high)} over this source", error=True)
+                return
+            new = int(high) if isinstance(current, int) else high
         self.set_knob(name, new)
 
     def action_next_scenario(self) -> None:
@@ -387,7 +403,11 @@ class BatchtopApp(App):
         self.say(self.source.start_scenario(name), error=self.source.read_only)
 
     def action_cycle_knob(self, name: str) -> None:
-        choices = BATCHING_MODES if name == "batching_mode" else LENGTH_DISTS
+        knob = self.source.offered_knobs().get(name)
+        if knob is None:
+            self.set_knob(name, None)             # says why: unknown here, or read-only
+            return
+        choices = knob.choices
         current = self.model.knobs.get(name)
         new = choices[(choices.index(current) + 1) % len(choices)] if current in choices else choices[0]
         self.set_knob(name, new)
@@ -512,3 +532,7 @@ def _coerce(value):
             except ValueError:
                 pass
     return value
+
+
+def _plain(x: float):
+    return int(x) if float(x).is_integer() else x

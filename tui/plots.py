@@ -14,14 +14,12 @@ import plotext
 from rich.text import Text
 from textual.widgets import Static
 
+from batchtop.engine.core.knobs import LABELS
+
 from .model import HISTORY_BUCKET_S, LATENCY_WINDOW_S, DashboardModel, HistoryPoint
 
 PLOT_WINDOWS_S = (30.0, 60.0, 300.0, 600.0)
 RATE_SLIDE_S = 1.0              # throughput: tokens over the last second at each point
-KNOB_SHORT = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tok",
-              "long_prefill_token_threshold": "chunk", "batching_mode": "mode", "preemption_mode": "preempt",
-              "static_batch_size": "B", "dynamic_timeout_s": "timeout", "load_rate": "rate",
-              "length_dist": "dist"}
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,7 @@ def build_plot(name: str, model: DashboardModel, window_s: float, width: int, he
         if -span <= x <= 0:
             fig.line(x, orientation="v", pixel="red")
             if series:
-                fig.draw(fig.text(x, top, f" {KNOB_SHORT.get(mark.name, mark.name)}={mark.new}"))
+                fig.draw(fig.text(x, top, f" {LABELS.get(mark.name, mark.name)}={mark.new}"))
     names = "" if roomy else ": " + " ".join(label.replace(" ", "") for label, _, _ in series)
     title = f"{spec.title} (last {span:.0f} s)"
     if not roomy or len(title) > width - 8:

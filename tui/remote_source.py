@@ -18,7 +18,9 @@ import time
 import httpx
 from httpx_sse import connect_sse
 
+from batchtop.engine.core.knobs import DASHBOARD_KNOBS, KNOBS
 from batchtop.telemetry.events import EnginePaused, EngineResumed, EventsDropped, KnobChanged
+from batchtop.telemetry.protocol.knob import Knob
 from batchtop.telemetry.recorder import decode_event
 
 from .sources import Poll, Source
@@ -40,6 +42,7 @@ class RemoteSource(Source):
         self._lock = threading.Lock()
         self._pending: list = []
         self._reset = False
+        self._knob_table: list[Knob] | None = None     # the server's knob rows, once it sent them
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._response: httpx.Response | None = None
@@ -68,6 +71,9 @@ class RemoteSource(Source):
             self.last_error = _message(response)
 
     def _apply_state(self, state: dict) -> None:
+        rows = state.get("knob_table")
+        if isinstance(rows, list):
+            self._knob_table = [_knob_of(row) for row in rows if isinstance(row, dict)]
         knobs = dict(state.get("knobs") or {})
         if "block_size" in state:
             knobs["block_size"] = state["block_size"]
@@ -207,6 +213,13 @@ class RemoteSource(Source):
             return f"{self.url} unreachable: {type(error).__name__}"
         return None if response.status_code == 200 else _message(response)
 
+    def offered_knobs(self) -> dict[str, Knob]:
+        """The server's own knob table (its `knob_table`: vLLM's knobs with vLLM's limits); a server that
+        sends none is taken for a batchtop engine."""
+        if self._knob_table is None:
+            return {name: KNOBS[name] for name in DASHBOARD_KNOBS}
+        return {k.name: k for k in self._knob_table if k.dashboard}
+
     def set_knob(self, name: str, value) -> str | None:
         return self._post("/v1/knobs", {"name": name, "value": value})
 
@@ -247,3 +260,13 @@ def _message(response: httpx.Response) -> str:
         return response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         return f"HTTP {response.status_code}: {response.text[:200]}"
+
+
+def _knob_of(row: dict) -> Knob:
+    """A knob row of a server's hello or GET /v1/knobs."""
+    kind = {"int": int, "float": float}.get(row.get("type"), str)
+    low, high = row.get("limits") or (0, None)
+    name = str(row.get("name"))
+    return Knob(name, kind, str(row.get("help") or ""), str(row.get("label") or name),
+                low=low, high=high, choices=tuple(row.get("choices") or ()),
+                applies=str(row.get("applies") or "next step"), dashboard=bool(row.get("dashboard")))

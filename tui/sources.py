@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from batchtop.engine.core.knobs import DASHBOARD_KNOBS, KNOBS, LOAD_KNOB_ROWS
 from batchtop.engine.workload.arrivals import LOAD_KNOBS
 from batchtop.telemetry.events import Event, EventsDropped, StepFinished
+from batchtop.telemetry.protocol.knob import Knob
 
 REPLAY_SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0)
 READ_ONLY = "replay: knobs are read-only"
@@ -65,6 +67,10 @@ class Source:
 
     def change_speed(self, faster: bool) -> str | None:
         return "only a replay has a speed"
+
+    def offered_knobs(self) -> dict[str, Knob]:
+        """The knobs the dashboard's keys and prompt may set over this source (none when read-only)."""
+        return {}
 
     def set_knob(self, name: str, value) -> str | None:
         return READ_ONLY
@@ -280,6 +286,12 @@ class EngineSource(Source):
 
     kind = "engine"
     read_only = False
+
+    def offered_knobs(self) -> dict[str, Knob]:
+        offered = {name: KNOBS[name] for name in DASHBOARD_KNOBS}
+        if "load_rate" in self.knobs:
+            offered.update(LOAD_KNOB_ROWS)
+        return offered
 
     def __init__(self, loop, bus, *, subscription_maxlen: int = 100_000, model: str | None = None):
         super().__init__()

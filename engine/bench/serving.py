@@ -193,7 +193,7 @@ class EmbeddedBackend:
     """The engine in this process: requests go straight into its `EngineLoop`, no HTTP."""
 
     def __init__(self, loop, *, ignore_eos: bool = True):
-        from batchtop.engine.server.app import OutputRouter
+        from batchtop.engine.server.outputs import OutputRouter
         self.loop = loop
         self.ignore_eos = ignore_eos
         self.router = OutputRouter()

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from batchtop.telemetry.rows import RowMove
+
 if TYPE_CHECKING:
     from .kv_cache import KVCacheManager
     from .scheduler_output import Row, SchedulerOutput
@@ -30,22 +32,14 @@ TOKEN_BYTES = 4
 BLOCK_ID_BYTES = 4
 
 
-@dataclass(frozen=True)
-class Move:
-    request_id: str
-    from_slot: int
-    to_slot: int
-    num_bytes: int
-
-
 @dataclass
 class Update:
     """What one step's membership change cost: the numbers of a BatchRebuilt event."""
     rows_kept: int = 0
     rows_added: int = 0
     rows_removed: int = 0
-    moves: tuple[Move, ...] = ()          # condense: rows slid into holes
-    renumbered: tuple[Move, ...] = ()     # gather: kept rows that landed at a new index in the rebuilt arrays
+    moves: tuple[RowMove, ...] = ()       # condense: rows slid into holes
+    renumbered: tuple[RowMove, ...] = ()  # gather: kept rows that landed at a new index in the rebuilt arrays
     num_bytes: int = 0
 
 
@@ -126,7 +120,7 @@ class PersistentBatch:
         if self.layout == "condense":
             self._holes.append(slot)
 
-    def _condense(self) -> list[Move]:
+    def _condense(self) -> list[RowMove]:
         """Slide the highest rows into the lowest holes; early return when adds refilled every hole."""
         moves = []
         holes = sorted(self._holes)
@@ -141,7 +135,7 @@ class PersistentBatch:
             last -= 1
         return moves
 
-    def _move(self, src: int, dst: int) -> Move:
+    def _move(self, src: int, dst: int) -> RowMove:
         """Copy the live prefix of row `src` into row `dst` (tokens and block ids, nothing past them)."""
         request_id = self.request_ids[src]
         num_tokens = int(self.num_tokens[src])
@@ -152,9 +146,9 @@ class PersistentBatch:
         self.request_ids[dst], self.request_ids[src] = request_id, None
         self.num_tokens[src] = self.num_blocks[src] = 0
         self.slot_of[request_id] = dst
-        return Move(request_id, src, dst, num_tokens * TOKEN_BYTES + num_blocks * BLOCK_ID_BYTES)
+        return RowMove(request_id, src, dst, num_tokens * TOKEN_BYTES + num_blocks * BLOCK_ID_BYTES)
 
-    def _regather(self) -> tuple[int, tuple[Move, ...]]:
+    def _regather(self) -> tuple[int, tuple[RowMove, ...]]:
         """gather: rebuild the rows as fresh arrays in request order — filter kept rows, merge added ones.
         The bytes copied and the rows whose index changed."""
         slots = sorted(self.slot_of.values())
@@ -169,7 +163,7 @@ class PersistentBatch:
             row_bytes = n * TOKEN_BYTES + b * BLOCK_ID_BYTES
             bytes_copied += row_bytes
             if new_slot != old_slot:
-                renumbered.append(Move(self.request_ids[old_slot], old_slot, new_slot, row_bytes))
+                renumbered.append(RowMove(self.request_ids[old_slot], old_slot, new_slot, row_bytes))
         request_ids = [self.request_ids[s] for s in slots]
         num_tokens, num_blocks = self.num_tokens[slots], self.num_blocks[slots]
         self.token_ids, self.block_table = token_ids, block_table

@@ -12,6 +12,7 @@ from .knobs import KNOBS, POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_BATCH_CAPACITY = 1024
+MIN_BATCH_CAPACITY = 256                      # the default capacity: room to raise max_num_seqs live
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class EngineConfig:
     dynamic_timeout_s: float = 0.5            # dynamic: form a partial batch after this wait
     layout: str = "condense"
     attention_backend: str = "auto"
-    batch_capacity: int = 256                 # persistent-batch rows; the ceiling for max_num_seqs
+    # persistent-batch rows, the ceiling for max_num_seqs; None: max(MIN_BATCH_CAPACITY, max_num_seqs)
+    batch_capacity: int | None = None
     num_threads: int | None = None
     device: str = "cpu"                       # cpu, cuda or cuda:N (the Triton kernels serve attention there)
     # on: decode steps replay CUDA graphs (CUDA only); off; eager (tests)
@@ -41,6 +43,10 @@ class EngineConfig:
     flight_recorder_steps: int = 256          # steps of events kept for a crash log (0: none)
 
     def __post_init__(self):
+        if self.batch_capacity is None:
+            seqs = self.max_num_seqs
+            room = seqs if isinstance(seqs, int) and not isinstance(seqs, bool) else 0
+            object.__setattr__(self, "batch_capacity", min(MAX_BATCH_CAPACITY, max(MIN_BATCH_CAPACITY, room)))
         check_int("batch_capacity", self.batch_capacity, 1, MAX_BATCH_CAPACITY)
         for knob in KNOBS.values():                # the live knobs' start values, as set_knob checks them
             knob.check(getattr(self, knob.name), self.batch_capacity)

@@ -1,22 +1,22 @@
-"""The engine on its own thread: commands in through a queue, applied between steps.
+"""The engine on its own thread: commands in through the protocol's `CommandQueue`, applied between steps.
 
 Callers on other threads (the dashboard, the server) never touch the engine directly:
-they validate here, synchronously, and queue the change. The loop never waits on an
-observer: events leave through the engine's sink, outputs through per-request callbacks
-that must not block.
+they validate here, synchronously, and queue the change (a full queue raises `QueueFull`,
+nothing queued is lost). The loop never waits on an observer: events leave through the
+engine's sink, outputs through per-request callbacks that must not block.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
 import itertools
-import queue
 import random
 import threading
 import time
 from typing import Callable
 
 from batchtop.engine.workload.arrivals import check_load_knob, synthetic_prompt
+from batchtop.telemetry.protocol.commands import CommandQueue
 
 from .engine import Engine, RequestOutput
 from .sampling import SamplingParams
@@ -29,10 +29,11 @@ class EngineLoop:
         self.engine = engine
         self.load = load                      # anything with due(elapsed_s) and next_arrival_s(), or None
         self._load_rng = random.Random(load_seed)
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.commands = CommandQueue(on_paused=engine.note_paused, on_error=engine.refuse)
         self._listeners: dict[str, OutputCallback] = {}
-        self._paused = False
-        self._steps_allowed = 0               # single steps granted while paused
+        self._adds_submitted = 0              # add_request calls queued (callers' threads, under the lock)
+        self._adds_applied = 0                # ... and taken by the engine thread
+        self._adds_lock = threading.Lock()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
@@ -52,13 +53,13 @@ class EngineLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        self._commands.put(lambda: None)      # wake the loop
+        self.commands.wake()
         if self._thread is not None:
             self._thread.join(timeout)
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self.commands.paused
 
     @property
     def running(self) -> bool:
@@ -78,7 +79,7 @@ class EngineLoop:
                 box["error"] = error
             done.set()
 
-        self._commands.put(command)
+        self.commands.submit(command)
         if not done.wait(timeout):
             raise TimeoutError("the engine did not answer in time")
         if "error" in box:
@@ -91,9 +92,9 @@ class EngineLoop:
             value = self.engine.validate_knob(name, value)
         except ValueError as error:
             message = str(error)
-            self._commands.put(lambda: self.engine.refuse(f"set {name}", message))
+            self.commands.submit(lambda: self.engine.refuse(f"set {name}", message))
             return message
-        self._commands.put(lambda: self.engine.set_knob(name, value, source))
+        self.commands.submit(lambda: self.engine.set_knob(name, value, source))
         return None
 
     def set_load_knob(self, name: str, value, source: str = "api") -> str | None:
@@ -116,20 +117,18 @@ class EngineLoop:
                 load.prompt = dataclasses.replace(load.prompt, kind=value)
                 load.output = dataclasses.replace(load.output, kind=value)
             self.engine.note_knob(name, old, value, source)
-        self._commands.put(apply)
+        self.commands.submit(apply)
         return None
 
     def pause(self) -> None:
-        self._commands.put(lambda: self._set_paused(True))
+        self.commands.pause()
 
     def resume(self) -> None:
-        self._commands.put(lambda: self._set_paused(False))
+        self.commands.resume()
 
     def step_once(self) -> None:
         """While paused: run exactly one more step."""
-        def grant():
-            self._steps_allowed += 1
-        self._commands.put(grant)
+        self.commands.step_once()
 
     def start_scenario(self, scenario, source: str = "tui") -> None:
         """From the next step: the scenario's knobs that can change live, its load, and its scripted
@@ -155,7 +154,7 @@ class EngineLoop:
             engine.note_knob("scenario", self.scenario, scenario.name, source)
             self.scenario = scenario.name
             self._run_scheduled()                 # what is due at once
-        self._commands.put(apply)
+        self.commands.submit(apply)
 
     def _at(self, step: int, fn: Callable[[], None]) -> None:
         heapq.heappush(self._scheduled, (step, next(self._seq), fn))
@@ -175,11 +174,11 @@ class EngineLoop:
 
     def request_snapshot(self, cause: str = "request") -> None:
         """Have the engine publish an EngineSnapshot before its next step (a consumer joined or lost
-        events)."""
-        self._commands.put(lambda: self.engine.emit_snapshot(cause))
+        events); asks while one waits coalesce into it."""
+        self.commands.submit(lambda: self.engine.emit_snapshot(cause), key="snapshot")
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self._abort(request_id))
+        self.commands.submit(lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
         if self.engine.abort(request_id):
@@ -193,49 +192,35 @@ class EngineLoop:
                                            request_id=request_id)
 
         def enqueue():
+            self._adds_applied += 1
             if on_output is not None:
                 self._listeners[request.request_id] = on_output
             self.engine.enqueue(request)
-        self._commands.put(enqueue)
+        with self._adds_lock:
+            self.commands.submit(enqueue)          # QueueFull: nothing queued, nothing counted
+            self._adds_submitted += 1
         return request.request_id
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued or waiting for admission (read from any thread: a close estimate)."""
+        return len(self.engine.scheduler.waiting) + self._adds_submitted - self._adds_applied
+
     # -- the thread -------------------------------------------------------------------------
-
-    def _set_paused(self, paused: bool) -> None:
-        if paused != self._paused:
-            self._paused = paused
-            self._steps_allowed = 0
-            self.engine.note_paused(paused)
-
-    def _apply_commands(self, wait_s: float) -> None:
-        try:
-            command = self._commands.get(timeout=wait_s) if wait_s > 0 else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            try:
-                command()
-            except Exception as error:     # a bad command must not stop the engine
-                self.engine.refuse(getattr(command, "__qualname__", "command"), str(error))
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
 
     def _run(self) -> None:
         try:
             while not self._stopping:
                 self._admit_load()
-                can_step = self.engine.has_unfinished() and (not self._paused or self._steps_allowed > 0)
-                self._apply_commands(0 if can_step else self._idle_wait())
+                commands = self.commands
+                can_step = self.engine.has_unfinished() and commands.may_step()
+                commands.apply(0 if can_step else self._idle_wait())
                 if self._stopping:
                     break
                 if self._scheduled:
                     self._run_scheduled()         # a scenario's requests and knob phases that are due
-                if not self.engine.has_unfinished() or (self._paused and self._steps_allowed == 0):
+                if not self.engine.has_unfinished() or not commands.take_step():
                     continue
-                if self._paused:
-                    self._steps_allowed -= 1
                 step_before = self.engine.step_count
                 try:
                     outputs = self.engine.step()
@@ -250,7 +235,7 @@ class EngineLoop:
             raise
 
     def _idle_wait(self) -> float:
-        if self.load is None or self._paused:
+        if self.load is None or self.commands.paused:
             return 0.5
         return min(0.5, max(0.0, self.load.next_arrival_s() - (time.monotonic() - self._started_at)))
 
@@ -266,7 +251,7 @@ class EngineLoop:
             self.engine.release(output.request_id)     # a long-running loop keeps no finished requests
 
     def _admit_load(self) -> None:
-        if self.load is None or self._paused:
+        if self.load is None or self.commands.paused:
             return
         for item in self.load.due(time.monotonic() - self._started_at):
             prompt = item.prompt

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
 
 from .admission import NEXT_STEP, Blocked, WaitClock
-from .config import EngineConfig
-from .knobs import KNOBS, POLICIES
+from .knobs import POLICIES, SchedulerKnobs
 from .kv_cache import KVCacheManager
 from .request import Request, Status
 from .scheduler_output import (
@@ -28,24 +26,6 @@ from .scheduler_output import (
     SchedulerOutput,
     StepResult,
 )
-
-
-@dataclass
-class SchedulerKnobs:
-    """The live knobs' values (what each means and takes: knobs.KNOBS); the engine changes them between
-    steps. Unset ones start at EngineConfig's defaults."""
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    long_prefill_token_threshold: int = EngineConfig.long_prefill_token_threshold
-    batching_mode: str = EngineConfig.batching_mode
-    static_batch_size: int = EngineConfig.static_batch_size
-    dynamic_timeout_s: float = EngineConfig.dynamic_timeout_s
-    preemption_mode: str = EngineConfig.preemption_mode
-
-    @classmethod
-    def of(cls, config: EngineConfig) -> SchedulerKnobs:
-        return cls(**{name: getattr(config, name) for name in KNOBS})
-
 
 # Retraction's admission estimate (SGLang's new_token_ratio): the share of each running
 # request's remaining max_tokens that admission keeps free. A retraction raises it; it

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from batchtop.engine.core.knobs import KNOBS
+
 
 def add_vllm(sub) -> None:
     vllm = sub.add_parser("vllm", help="vLLM (from .venv-vllm) with batchtop's scheduler class inside")
@@ -21,7 +23,8 @@ def add_vllm(sub) -> None:
     serve.add_argument("--port", type=int, default=8100, help="vLLM's OpenAI API")
     serve.add_argument("--events-port", type=int, default=None,
                        help="batchtop's event endpoint (default: PORT + 1; + the data-parallel rank)")
-    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-seqs", type=int, default=64,
+                       help=f"{KNOBS['max_num_seqs'].help}; the knob's upper limit while vLLM runs")
     serve.add_argument("--max-model-len", type=int, default=2048)
     serve.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="a small KV pool, in vLLM blocks")

@@ -142,8 +142,8 @@ def no_model_folder() -> str:
 def build_scheduler(limits: Limits, kind: str = "vllm", model: str | None = None):
     """vLLM's scheduler (or batchtop's subclass) over `model`'s config.json (default: a made-up
     Llama config), on the CPU, with a pool of `limits.num_blocks` blocks. Under batchtop's class
-    its observer and controls run (events in `scheduler.batchtop_events`, knobs through
-    `scheduler.batchtop_controls`), never its side endpoint."""
+    its observer and command queue run (events in `scheduler.batchtop_events`, knobs through
+    `control.set_knob(scheduler, ...)`), never its side endpoint."""
     model_config = ModelConfig(
         model=model or no_model_folder(),
         skip_tokenizer_init=True,

@@ -29,8 +29,9 @@ from vllm.v1.request import RequestStatus
 
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.bus import EventLog
+from batchtop.telemetry.protocol.commands import CommandQueue
 
-from .control import Controls
+from .control import MAX_COMMANDS, before_step, vllm_knobs
 from .observer import StepObserver
 
 # The vLLM releases batchtop's tests passed on (tests/vllm: the harness on each, the server on 0.32's CPU
@@ -73,7 +74,7 @@ class BatchtopMixin:
         super().__init__(*args, **kwargs)
         self.batchtop_events = EventLog(maxlen=EVENT_BUFFER)
         self.batchtop_observer: StepObserver | None = None
-        self.batchtop_controls: Controls | None = None
+        self.batchtop_commands: CommandQueue | None = None
         self.batchtop_endpoint = None
         self.batchtop_failure: str | None = None      # why batchtop's part switched off, once it did
         try:
@@ -98,14 +99,10 @@ class BatchtopMixin:
 
     def batchtop_watch(self) -> None:
         """Observe and take knob commands, without the side endpoint (the harness reads the events
-        from `batchtop_events` and sets knobs through `batchtop_controls`)."""
+        from `batchtop_events` and sets knobs through control.set_knob)."""
         emit = self.batchtop_events.append
         self.batchtop_observer = StepObserver(emit, blocks_of=self._batchtop_blocks_of,
                                               kv_usage=self._batchtop_kv_usage)
-
-        def announce(name, old, new, source):
-            emit(ev.KnobChanged(step=self.batchtop_observer.step, t=time.monotonic(), name=name,
-                                old=old, new=new, source=source))
 
         def refuse(command, message):
             emit(ev.CommandRefused(step=self.batchtop_observer.step, t=time.monotonic(), command=command,
@@ -115,7 +112,8 @@ class BatchtopMixin:
             kind = ev.EnginePaused if paused else ev.EngineResumed
             emit(kind(step=self.batchtop_observer.step, t=time.monotonic()))
 
-        self.batchtop_controls = Controls(self, announce, refuse, note_paused)
+        self.batchtop_commands = CommandQueue(MAX_COMMANDS, on_paused=note_paused, on_error=refuse)
+        self.batchtop_knobs = vllm_knobs(self)         # capped at the start values, taken once
 
     def _batchtop_rank(self) -> int:
         return int(self.vllm_config.parallel_config.data_parallel_rank)
@@ -167,11 +165,11 @@ class BatchtopMixin:
         return super()._preempt_request(request, timestamp, *args, **kwargs)
 
     def schedule(self, *args, **kwargs):
-        observer, controls = self.batchtop_observer, self.batchtop_controls
+        observer = self.batchtop_observer
         if observer is None:
             return super().schedule(*args, **kwargs)
         try:
-            may_run = controls.before_step()
+            may_run = before_step(self.batchtop_commands)
             observer.before_schedule(self.running)
         except Exception:
             self._batchtop_failed("before schedule")

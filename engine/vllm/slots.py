@@ -19,15 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchtop.telemetry.rows import RowMove
+
 TOKEN_ID_BYTES = 4          # the worker's token-id rows are int32
-
-
-@dataclass(frozen=True)
-class RowMove:
-    request_id: str
-    from_slot: int
-    to_slot: int
-    num_bytes: int
 
 
 @dataclass

@@ -32,7 +32,8 @@ def base_url(served):
 @pytest.fixture(scope="session")
 def keyed(served):
     """A second HTTP front (with --api-key) over the same running engine loop."""
-    from batchtop.engine.server.app import BatchtopServer, ServerThread
+    from batchtop.engine.server.app import ServerThread
+    from batchtop.engine.server.host import BatchtopServer
     server, _ = served
     keyed_server = BatchtopServer(server.loop, _bus_of(server), api_key=API_KEY)
     thread = ServerThread(keyed_server).start()

@@ -7,7 +7,7 @@ import pytest
 from server_helpers import API_KEY
 
 from batchtop.engine.server.app import ServerThread
-from batchtop.telemetry.stream import check_bind, is_loopback
+from batchtop.telemetry.protocol.guard import check_bind, is_loopback
 from batchtop.tui.cli import main
 
 ENDPOINTS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/knobs"),

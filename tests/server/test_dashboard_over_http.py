@@ -6,7 +6,8 @@ import asyncio
 import httpx
 from server_helpers import wait_idle
 
-from batchtop.engine.server.app import BatchtopServer, ServerThread
+from batchtop.engine.server.app import ServerThread
+from batchtop.engine.server.host import BatchtopServer
 from batchtop.tui.remote_source import RemoteSource
 
 

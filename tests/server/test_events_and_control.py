@@ -8,9 +8,10 @@ import time
 import httpx
 from server_helpers import wait_idle
 
-from batchtop.engine.server.app import BatchtopServer, ServerThread
-from batchtop.telemetry import stream
+from batchtop.engine.server.app import ServerThread
+from batchtop.engine.server.host import BatchtopServer
 from batchtop.telemetry.events import EventsDropped, KnobChanged, StepFinished
+from batchtop.telemetry.protocol import stream
 from batchtop.tui.remote_source import RemoteSource
 
 

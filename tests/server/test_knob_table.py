@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from batchtop.engine.core.config import EngineConfig
-from batchtop.engine.core.knobs import DASHBOARD_KNOBS, KNOBS, markdown_table
+from batchtop.engine.core.knobs import DASHBOARD_KNOBS, KNOBS, LABELS, LOAD_KNOB_ROWS, markdown_table
 from batchtop.engine.core.scheduler import SchedulerKnobs
 from batchtop.engine.workload.arrivals import LOAD_KNOBS
 from batchtop.tui import app as tui_app
@@ -48,7 +48,7 @@ def test_engine_config_and_api_refuse_with_the_tables_message(served, http, name
     message = str(refused.value)
     assert message == f"{name} must be {KNOBS[name].describe(CAPACITY)}, got {value!r}"
     with pytest.raises(ValueError, match=re.escape(message)):
-        EngineConfig(model="tiny", **{name: value})
+        EngineConfig(model="tiny", batch_capacity=CAPACITY, **{name: value})
     response = http.post("/v1/knobs", json={"name": name, "value": value})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -61,20 +61,36 @@ def test_the_range_edges_are_allowed_everywhere(served, name, value):
     assert getattr(EngineConfig(model="tiny", **{name: value}), name) == value
 
 
+def test_the_capacity_rule_lives_in_the_config():
+    """max(256, max_num_seqs) rows: the config accepts what the command line accepts."""
+    import argparse
+
+    from batchtop.engine.flags import add_engine_flags, engine_config
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert EngineConfig(model="tiny", max_num_seqs=300).batch_capacity == 300
+    assert engine_config(parser.parse_args(["--max-num-seqs", "300"])) == EngineConfig(max_num_seqs=300)
+    assert EngineConfig(model="tiny", max_num_seqs=8).batch_capacity == 256
+    with pytest.raises(ValueError, match=r"max_num_seqs must be an integer in \[1, 1024\], got 2000"):
+        EngineConfig(model="tiny", max_num_seqs=2000)
+
+
 def test_api_lists_every_knob_with_its_range(http):
     state = http.get("/v1/knobs").json()
     assert list(state["knobs"]) == list(KNOBS)
     assert state["ranges"] == {name: knob.describe(CAPACITY) for name, knob in KNOBS.items()}
+    assert state["knob_table"] == [knob.row(CAPACITY) for knob in KNOBS.values()]
+    assert state["knob_limits"]["max_num_seqs"] == [1, CAPACITY]
 
 
-def test_dashboard_sets_the_tables_dashboard_knobs_with_its_choices():
-    assert tui_app.DASHBOARD_KNOBS == (
+def test_dashboard_keys_set_the_tables_dashboard_knobs():
+    assert DASHBOARD_KNOBS == (
         "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "batching_mode")
-    assert tui_app.BATCHING_MODES == KNOBS["batching_mode"].choices
     actions = " ".join(binding.action for binding in tui_app.BatchtopApp.BINDINGS)
     keyed = set(re.findall(r"(?:knob_step|cycle_knob)\('(\w+)'", actions))
-    assert keyed & set(DASHBOARD_KNOBS) and keyed <= set(DASHBOARD_KNOBS + LOAD_KNOBS)
-    assert set(tui_app.KNOB_ALIASES.values()) <= set(DASHBOARD_KNOBS + LOAD_KNOBS)
+    assert keyed & set(DASHBOARD_KNOBS) and keyed <= set(DASHBOARD_KNOBS) | set(LOAD_KNOB_ROWS)
+    assert set(LOAD_KNOB_ROWS) == set(LOAD_KNOBS)
+    assert LABELS["max_num_seqs"] == "seqs" and LABELS["long_prefill_token_threshold"] == "chunk"
 
 
 def test_docs_state_the_tables_ranges():

@@ -12,7 +12,8 @@ from fastapi import FastAPI, Request
 from httpx_sse import connect_sse
 
 from batchtop.telemetry.events import KnobChanged
-from batchtop.telemetry.stream import EventRing, bind_socket, events_response
+from batchtop.telemetry.protocol.runner import bind_socket
+from batchtop.telemetry.protocol.stream import EventRing, events_response
 
 closing = threading.Event()
 

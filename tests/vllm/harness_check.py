@@ -13,6 +13,7 @@ import time
 
 from vllm.v1.request import RequestStatus
 
+from batchtop.engine.vllm.control import set_knob
 from batchtop.engine.vllm.harness import Harness, Limits, TraceRequest, build_scheduler
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.state import BatchState
@@ -125,7 +126,7 @@ class FoldCheck:
                 "long_prefill_token_threshold": self.limits.max_num_batched_tokens,
             }[name]
             low = 0 if name == "long_prefill_token_threshold" else max(1, high // 4)
-            if s.batchtop_controls.set_knob(name, self.rng.randint(low, high), "test") is None:
+            if set_knob(s, name, self.rng.randint(low, high), "test") is None:
                 self.knob_changes += 1
 
 
@@ -201,14 +202,14 @@ def max_num_seqs_scenario() -> dict:
     def between(h: Harness) -> None:
         running = len(s.running)
         if phase["lowered_at"] is None and running >= 8:
-            assert s.batchtop_controls.set_knob("max_num_seqs", 2, "test") is None
+            assert set_knob(s, "max_num_seqs", 2, "test") is None
             phase["lowered_at"] = len(h.steps)
         elif (
             phase["lowered_at"] is not None
             and phase["raised_at"] is None
             and len(h.steps) > phase["lowered_at"] + 200
         ):
-            assert s.batchtop_controls.set_knob("max_num_seqs", 8, "test") is None
+            assert set_knob(s, "max_num_seqs", 8, "test") is None
             phase["raised_at"] = len(h.steps)
         seen["running_before"] = running
 
@@ -284,7 +285,7 @@ def budget_scenario() -> dict:
         change = plan.get(len(h.steps))
         if change and state.get("done") != len(h.steps):
             state["done"] = len(h.steps)
-            assert s.batchtop_controls.set_knob(*change, "test") is None
+            assert set_knob(s, *change, "test") is None
             state["budget" if change[0] == "max_num_batched_tokens" else "threshold"] = change[1]
             state["changes"] += 1
 

@@ -1,4 +1,5 @@
-"""The OpenAI wire format of the server: request schemas, error bodies, text out of token ids.
+"""The OpenAI wire format of the server: request schemas and text out of token ids (error bodies:
+telemetry/protocol/errors.py).
 
 Request bodies are pydantic models so that the OpenAPI schema describes them; a body
 that breaks them is answered 400 (not FastAPI's 422) with an OpenAI error body.
@@ -10,22 +11,9 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchtop.engine.core.knobs import KNOBS
-from batchtop.telemetry.stream import error_body
+from batchtop.telemetry.protocol.errors import ApiError
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1       # torch.Generator.manual_seed's range
-
-
-class ApiError(Exception):
-    """An error answered as `{"error": {message, type, param, code}}` with `status`."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
 
 
 class StreamOptions(BaseModel):
@@ -67,16 +55,6 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: what the context leaves")
     max_completion_tokens: int | None = Field(None, ge=1)
-
-
-class KnobUpdate(BaseModel):
-    """Checked by the knob table (engine/core/knobs.py) on its way to the engine, not here: a refusal
-    then names the allowed values in the engine's words."""
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(..., description="one of " + ", ".join(KNOBS))
-    value: Union[bool, int, float, str] = Field(...,
-                                                description="GET /v1/knobs: `ranges` says what each knob "
-                                                            "takes")
 
 
 def message_text(content) -> str:

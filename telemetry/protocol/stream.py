@@ -1,4 +1,4 @@
-"""The event stream over HTTP: the history ring, server-sent events with resume, bind and key rules.
+"""The event stream over HTTP: the history ring and server-sent events with resume.
 
 Every server that publishes batchtop's events (`batchtop serve`, and batchtop's scheduler
 inside vLLM) speaks this protocol, so one client (`batchtop top --url`) follows either.
@@ -11,23 +11,16 @@ a bounded ring; the SSE `id:` of an event is its seq, so a client that reconnect
 instead ask `?from_step=N` (every event of step N onwards). When the requested point has
 already left the ring the stream says so first (`event: gap`) and continues from the oldest
 event kept. The ring is used from the server's asyncio thread only.
-
-Without an API key a server binds loopback only; with one, every HTTP request needs
-`Authorization: Bearer KEY` (`BearerAuth`, compared in constant time).
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import json
-import socket
 
-from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from .events import Event
-from .recorder import encode_event
+from ..events import Event
+from ..recorder import encode_event
 
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 SSE_SEP = "\n"
@@ -50,6 +43,11 @@ class EventRing:
 
     def __len__(self) -> int:
         return self.next_seq - self.oldest_seq
+
+    def serve_on_this_loop(self) -> None:
+        """Waiters belong to the asyncio loop that serves the ring: call from a new loop before it serves
+        (a server started again runs a new loop)."""
+        self._changed = asyncio.Event()
 
     def extend(self, events: list[Event]) -> None:
         if not events:
@@ -174,62 +172,3 @@ def events_response(ring: EventRing, last_event_id: str | None, from_step: int |
 
 def _keep_alive() -> ServerSentEvent:
     return ServerSentEvent(comment="keep-alive", sep=SSE_SEP)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    """An OpenAI-shaped error body."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def check_bind(host: str, api_key: str | None) -> None:
-    """Without an API key only loopback may be bound: ValueError otherwise."""
-    if api_key:
-        return
-    if not is_loopback(host):
-        raise ValueError(f"refusing to bind {host!r} without --api-key: without a key the server only "
-                         f"listens on loopback (127.0.0.1, ::1, localhost)")
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
-
-
-
-
-class BearerAuth:
-    """Pure ASGI middleware (streaming-safe): every HTTP request needs `Authorization: Bearer KEY`."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                message = "missing Authorization header" if not given else "incorrect API key"
-                response = JSONResponse(error_body(f"{message}: send `Authorization: Bearer <key>`",
-                                                   code="invalid_api_key"),
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host.strip("[]"), port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
