@@ -57,11 +57,11 @@ def measure_engine(rounds: int) -> dict[str, float]:
     return best
 
 
-def section(per_event: list[tuple[str, float]], per_step: dict[str, float], args) -> str:
+def section(per_event: list[tuple[str, float]], per_step: dict[str, float], args, at: str) -> str:
     command = f"python -m batchtop.engine.bench.flight --rounds {args.rounds} --repeat {args.repeat}"
     off, on = per_step["off"], per_step["on"]
     lines = [SECTION, "",
-             f"`{command}` (written by it), commit {commit()}, {time.strftime('%Y-%m-%d')}, {cpu_name()}, "
+             f"`{command}` (written by it), commit {at}, {time.strftime('%Y-%m-%d')}, {cpu_name()}, "
              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end.", "",
              f"Per event at the sink (best of {args.repeat} interleaved rounds, thread CPU time):", "",
              "| sink | ns per event |", "|---|---:|",
@@ -84,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=15, help="rounds of the per-event sinks")
     parser.add_argument("--no-write", action="store_true", help="print; leave docs/reliability.md")
     args = parser.parse_args(argv)
+    at = commit()                               # the code the figures come from: HEAD as the run starts
     per_event = measure_flight(repeat=args.repeat)
     per_step = measure_engine(args.rounds)
-    return publish(SECTION, section(per_event, per_step, args), write=not args.no_write, doc=RELIABILITY)
+    text = section(per_event, per_step, args, at)
+    return publish(SECTION, text, write=not args.no_write, doc=RELIABILITY)
 
 
 if __name__ == "__main__":

@@ -354,7 +354,7 @@ def run_soak(config: SoakConfig = SoakConfig(), progress=None) -> SoakReport:
 SECTION = "## Soak: figures"
 
 
-def section(report: SoakReport, config: SoakConfig) -> str:
+def section(report: SoakReport, config: SoakConfig, at: str) -> str:
     """docs/reliability.md's soak figures: the command, where and when, the counts, violations by
     invariant."""
     command = (f"python -m batchtop.engine.reliability.soak --requests {config.num_requests} "
@@ -382,7 +382,7 @@ def section(report: SoakReport, config: SoakConfig) -> str:
         ("wall time", f"{report.elapsed_s:,.0f} s"),
     ]
     lines = [SECTION, "",
-             f"`{command}` (written by it), commit {commit()}, {time.strftime('%Y-%m-%d')}, "
+             f"`{command}` (written by it), commit {at}, {time.strftime('%Y-%m-%d')}, "
              f"{cpu_name()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end:", "",
              "| | |", "|---|---:|", *[f"| {name} | {value} |" for name, value in rows], "",
              "Violations by invariant (engine/reliability/invariants.py):", "",
@@ -402,10 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=SoakConfig.num_kv_blocks)
     parser.add_argument("--no-write", action="store_true", help="print; leave docs/reliability.md")
     args = parser.parse_args(argv)
+    at = commit()                               # the code the figures come from: HEAD as the run starts
     config = SoakConfig(num_requests=args.requests, seed=args.seed, num_kv_blocks=args.kv_blocks)
     report = run_soak(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.text(), file=sys.stderr)
-    publish(SECTION, section(report, config), write=not args.no_write, doc=RELIABILITY)
+    publish(SECTION, section(report, config, at), write=not args.no_write, doc=RELIABILITY)
     return 1 if report.violations else 0
 
 

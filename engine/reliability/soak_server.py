@@ -198,7 +198,7 @@ class ServerSoak:
 SECTION = "## Server soak: figures"
 
 
-def section(report: ServerSoakReport, args) -> str:
+def section(report: ServerSoakReport, args, at: str) -> str:
     """docs/reliability.md's server soak figures: the command, where and when, answers, the samples, and
     the memory growth after warm-up."""
     command = (f"python -m batchtop.engine.reliability.soak_server --requests {args.requests} "
@@ -206,7 +206,7 @@ def section(report: ServerSoakReport, args) -> str:
     outcomes = report.outcomes
     growth = report.rss_growth_per_1000(args.warmup)
     lines = [f"{SECTION}, event history {args.event_history:,}", "",
-             f"`{command}` (written by it), commit {commit()}, {time.strftime('%Y-%m-%d')}, {cpu_name()}, "
+             f"`{command}` (written by it), commit {at}, {time.strftime('%Y-%m-%d')}, {cpu_name()}, "
              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end: "
              f"{report.elapsed_s:.1f} s ({report.requests / max(report.elapsed_s, 1e-9):.1f} requests/s); "
              f"{outcomes['complete']:,} streams complete, {outcomes['cut']:,} cut by their clients, "
@@ -239,11 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests served before the memory growth is measured")
     parser.add_argument("--no-write", action="store_true", help="print; leave docs/reliability.md")
     args = parser.parse_args(argv)
+    at = commit()                               # the code the figures come from: HEAD as the run starts
     report = ServerSoak(args.requests, args.concurrency, args.seed, args.sample_every,
                         event_history=args.event_history).run()
     print(report.text(), file=sys.stderr)
     title = f"{SECTION}, event history {args.event_history:,}"
-    publish(title, section(report, args), write=not args.no_write, doc=RELIABILITY)
+    publish(title, section(report, args, at), write=not args.no_write, doc=RELIABILITY)
     return 1 if report.violations or report.num_5xx else 0
 
 
