@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import gc
 import json
 import os
 import random
@@ -47,13 +49,16 @@ class ServerSoakReport:
     elapsed_s: float = 0.0
 
     def rss_growth_per_1000(self, warmup: int) -> float | None:
-        """Resident memory growth in MiB per 1,000 requests served after the first `warmup` (from the first
-        sample at or past it to the last); None with fewer than two such samples."""
-        after = [(served, rss) for served, rss, *_ in self.samples if served >= warmup]
-        if len(after) < 2 or after[-1][0] == after[0][0]:
+        """Resident memory growth in MiB per 1,000 requests served after the first `warmup`: the least-squares
+        slope over the samples from there on; None with fewer than two served counts to fit."""
+        after = [(served, rss / 2**20) for served, rss, *_ in self.samples if served >= warmup]
+        if len({served for served, _ in after}) < 2:
             return None
-        (served0, rss0), (served1, rss1) = after[0], after[-1]
-        return (rss1 - rss0) / 2**20 / (served1 - served0) * 1000
+        mean_x = sum(x for x, _ in after) / len(after)
+        mean_y = sum(y for _, y in after) / len(after)
+        slope = (sum((x - mean_x) * (y - mean_y) for x, y in after)
+                 / sum((x - mean_x) ** 2 for x, _ in after))
+        return slope * 1000
 
     @property
     def num_5xx(self) -> int:
@@ -73,8 +78,25 @@ class ServerSoakReport:
 
 
 def resident_bytes() -> int:
+    """The process's resident memory once garbage is collected and the C allocator has handed its free
+    pages back (glibc's malloc_trim, where there is one): what is live, not the allocator's high-water
+    mark, so a sample does not depend on which thread's arena last grew."""
+    gc.collect()
+    if _libc is not None:
+        _libc.malloc_trim(0)
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_libc = _glibc()
 
 
 class ServerSoak:
