@@ -224,6 +224,7 @@ def section(report: ServerSoakReport, args, at: str) -> str:
     """docs/reliability.md's server soak figures: the command, where and when, answers, the samples, and
     the memory growth after warm-up."""
     command = (f"python -m batchtop.engine.reliability.soak_server --requests {args.requests} "
+               f"--concurrency {args.concurrency} --seed {args.seed} --sample-every {args.sample_every} "
                f"--event-history {args.event_history} --warmup {args.warmup}")
     outcomes = report.outcomes
     growth = report.rss_growth_per_1000(args.warmup)
