@@ -65,9 +65,9 @@ class SoakConfig:
     max_model_len: int = 512
     max_prompt_tokens: int = 160
     max_output_tokens: int = 96
-    arrivals_per_step: float = 0.15   # mean of a Poisson draw each step
+    arrivals_per_step: float = 0.15   # mean of a Poisson draw each round
     max_waiting: int = 16             # no arrivals while this many wait: clients with a concurrency cap
-    abort_probability: float = 0.015  # per step: abort one unfinished request
+    abort_probability: float = 0.015  # per round: abort one unfinished request
     knob_every_steps: int = 4         # a storm round: one valid change and one invalid attempt
     num_threads: int = 1              # the tiny model gains nothing from more; a loaded machine loses a lot
     stall_rounds: int = 5_000         # rounds without a token, a first admission or a retirement: livelock
