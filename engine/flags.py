@@ -39,8 +39,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--device", default=DEFAULT.device, help="cpu (default), cuda or cuda:N")
     g.add_argument("--cuda-graphs", choices=CUDA_GRAPH_MODES, default=DEFAULT.cuda_graphs,
-                   help="on CUDA, decode steps replay graphs captured at start (default on; eager: the "
-                        "graphs' buffers and padding without capture, any device)")
+                   help="on: on CUDA, decode steps replay graphs captured at start (default off: no GPU "
+                        "run has validated them yet); eager: the graphs' buffers and padding without "
+                        "capture, any device")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -16,7 +16,8 @@ The build happens once per CPU, into the torch extensions cache under a name car
 CPU's instruction-set flags, so no CPU loads a library built for another. A lock left by an
 interrupted build is broken once untouched for `STALE_LOCK_S`; while a build runs `build_note()`
 says so. `available()` is False where the build fails (said once on stderr; `unavailable_reason()`
-keeps why) or with BATCHTOP_CPU_KERNEL=0; callers then use torch.
+keeps why, `build_error()` the compiler's messages) or with BATCHTOP_CPU_KERNEL=0; callers then use
+torch. `unbuildable_reason()` says, without building, where no build can succeed (no compiler).
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ FEATURES_FILE = "cpu_features"  # beside the library: the flags it was compiled 
 
 _lock = threading.Lock()
 _module = None
-_failed: str | None = None
+_failed: str | None = None       # the build's error, its first line (said on stderr)
+_error: str | None = None        # the whole of it: the compiler's own messages
 _building: str | None = None     # what the build is doing right now, for a loading screen
 
 
@@ -71,7 +73,7 @@ def extension_name(features: str | None = None) -> str:
 
 
 def _load():
-    global _module, _failed, _building
+    global _module, _failed, _error, _building
     if _module is not None:
         return _module
     with _lock:
@@ -79,7 +81,7 @@ def _load():
             try:
                 _module = _build(cpu_features())
             except Exception as error:          # no compiler, no headers: the torch paths serve
-                _failed = _first_line(error)
+                _failed, _error = _first_line(error), str(error)
                 print(f"batchtop: the C++ CPU kernels are unavailable ({_failed}); the engine uses torch's "
                       f"operators instead, slower (BATCHTOP_VERBOSE_BUILD=1 shows the build)",
                       file=sys.stderr)
@@ -159,6 +161,32 @@ def _first_line(error: Exception) -> str:
 def build_note() -> str | None:
     """What the first build is doing while it runs (a loading screen shows it), else None."""
     return _building
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's build calls ($CXX, else c++), or None where there is none."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def unbuildable_reason() -> str | None:
+    """Why the kernels cannot be built here at all (switched off, no compiler), without trying; None
+    where a build must succeed."""
+    if os.environ.get("BATCHTOP_CPU_KERNEL", "1") == "0":
+        return "BATCHTOP_CPU_KERNEL=0"
+    if compiler() is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'c++')} is not on PATH)"
+    from torch.utils.cpp_extension import is_ninja_available
+    if not is_ninja_available():
+        return "no ninja (torch's extension build needs it)"
+    return None
+
+
+def build_error() -> str | None:
+    """The failed build's compiler messages (its lines that say error, else the whole text), or None."""
+    if _error is None:
+        return None
+    lines = [line for line in _error.splitlines() if "error" in line.lower()]
+    return "\n".join(lines[:40]) if lines else _error
 
 
 def unavailable_reason() -> str | None:

@@ -1,4 +1,5 @@
-"""Where the benchmarks write: one section of docs/benchmarks.md each, and the facts a figure carries."""
+"""Where the benchmarks write: one section of docs/benchmarks.md each (the reliability runs: of
+docs/reliability.md), and the facts a figure carries."""
 from __future__ import annotations
 
 import platform
@@ -7,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+RELIABILITY = DOCS.parent / "reliability.md"      # the reliability runs' figures (engine/reliability)
 
 
 def write_section(section: str, text: str, doc: Path = DOCS) -> None:
@@ -22,7 +24,7 @@ def write_section(section: str, text: str, doc: Path = DOCS) -> None:
 
 
 def publish(section: str, text: str, *, write: bool, doc: Path = DOCS) -> int:
-    """Print a benchmark's section and, when `write`, put it into docs/benchmarks.md; exit status 0."""
+    """Print a benchmark's section and, when `write`, put it into `doc`; exit status 0."""
     print(text)
     if write:
         write_section(section, text, doc)

@@ -37,8 +37,9 @@ class EngineConfig:
     batch_capacity: int | None = None
     num_threads: int | None = None
     device: str = "cpu"                       # cpu, cuda or cuda:N (the Triton kernels serve attention there)
-    # on: decode steps replay CUDA graphs (CUDA only); off; eager (tests)
-    cuda_graphs: str = "on"
+    # on: decode steps replay CUDA graphs (CUDA only); off; eager (tests). Off until a GPU run validates
+    # the graphs (docs/kernels.md, "CUDA graphs for decode steps").
+    cuda_graphs: str = "off"
     snapshot_interval_steps: int = 1000       # an EngineSnapshot event every N steps (0: only when asked)
     flight_recorder_steps: int = 256          # steps of events kept for a crash log (0: none)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import sys
 import time
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from batchtop.engine.bench.figures import RELIABILITY, commit, cpu_name, publish
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.server.app import ServerThread, build_server
 
@@ -271,15 +273,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.abuse",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--flood", type=int, default=2000, help="tiny requests sent at once")
+    parser.add_argument("--no-write", action="store_true", help="print; leave docs/reliability.md")
     args = parser.parse_args(argv)
+    at = commit()                               # the code the figures come from: HEAD as the run starts
     config = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=256, max_num_seqs=64, num_threads=1)
     server = build_server(config, api_key=API_KEY)
     with ServerThread(server) as thread:
         report = run_cases(thread.url, API_KEY, server.model_name, server.engine.max_model_len,
                            server.max_body_bytes, flood=args.flood)
     server.loop.stop()
-    print(report.text())
+    text = "\n".join([SECTION, "",
+                      f"`python -m batchtop.engine.reliability.abuse --flood {args.flood}` (written by it), "
+                      f"commit {at}, {time.strftime('%Y-%m-%d')}, {cpu_name()}, {os.cpu_count()} CPUs, load "
+                      f"average {os.getloadavg()[0]:.1f} at the end:", "", report.text(), ""])
+    publish(SECTION, text, write=not args.no_write, doc=RELIABILITY)
     return 1 if report.problems or report.num_5xx else 0
+
+
+SECTION = "## The API under abuse: figures"
 
 
 if __name__ == "__main__":

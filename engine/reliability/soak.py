@@ -1,13 +1,14 @@
 """A long, hostile run of the engine with its invariants checked after every step.
 
-    python -m batchtop.engine.reliability.soak [--requests 10000] [--seed 0] [--kv-blocks 48]
+    python -m batchtop.engine.reliability.soak [--requests 10000] [--seed 0] [--kv-blocks 32] [--no-write]
 
 On the tiny model: random arrivals and lengths; random aborts of waiting, mid-prefill and
 mid-decode requests (and of finished ones, which must change nothing); a knob storm (every knob,
 valid random values, and invalid ones that must be refused and change nothing); batching-mode and
 preemption-mode switches; a KV pool small enough that preemption and retraction happen all the
 time. After every step `check_invariants` must find nothing; after the drain the pool is whole
-and every request retired exactly once. Exit status 1 on any violation. Figures: docs/reliability.md.
+and every request retired exactly once. What is checked: invariants.INVARIANTS. Exit status 1 on any
+violation. The figures go into docs/reliability.md's section (unless --no-write).
 """
 from __future__ import annotations
 
@@ -17,18 +18,20 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from batchtop.engine.bench.figures import RELIABILITY, commit, publish
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.knobs import KNOBS
-from batchtop.engine.core.request import Status
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.bus import EventLog
 
+from .invariants import Violation, check_invariants
+from .soak_report import SECTION, SoakReport, section
+
 BATCH_CAPACITY = 32
-STALL_STEPS = 5_000      # this many steps without a token, an admission or a retirement: a livelock
 VALID_VALUES = {
     "max_num_seqs": (1, 2, 3, 4, 8, 16, 32),
     "max_num_batched_tokens": (8, 16, 32, 64, 128, 256, 512),
@@ -62,83 +65,18 @@ class SoakConfig:
     max_model_len: int = 512
     max_prompt_tokens: int = 160
     max_output_tokens: int = 96
-    arrivals_per_step: float = 0.15   # mean of a Poisson draw each step
+    arrivals_per_step: float = 0.15   # mean of a Poisson draw each round
     max_waiting: int = 16             # no arrivals while this many wait: clients with a concurrency cap
-    abort_probability: float = 0.015  # per step: abort one unfinished request
+    abort_probability: float = 0.015  # per round: abort one unfinished request
     knob_every_steps: int = 4         # a storm round: one valid change and one invalid attempt
     num_threads: int = 1              # the tiny model gains nothing from more; a loaded machine loses a lot
-
-
-@dataclass
-class SoakReport:
-    requests: int = 0
-    steps: int = 0
-    aborts: Counter = field(default_factory=Counter)      # waiting | prefill | decode | finished (must fail)
-    finished: Counter = field(default_factory=Counter)    # by reason
-    knob_changes: int = 0
-    knobs_refused: int = 0
-    mode_switches: int = 0                                 # batching_mode and preemption_mode changes applied
-    preemptions: int = 0
-    retractions: int = 0
-    violations: list[str] = field(default_factory=list)
-    longest_wait_steps: int = 0                            # arrival to first admission
-    longest_wait_s: float = 0.0
-    longest_life_steps: int = 0                            # arrival to retirement
-    drain_steps: int = 0
-    elapsed_s: float = 0.0
-
-    def text(self) -> str:
-        aborts = sum(n for kind, n in self.aborts.items() if kind != "finished")
-        lines = [
-            f"requests {self.requests}  steps {self.steps}  in {self.elapsed_s:.1f} s",
-            f"finished {dict(sorted(self.finished.items()))}",
-            f"aborts {aborts} (waiting {self.aborts['waiting']}, mid-prefill {self.aborts['prefill']}, "
-            f"mid-decode {self.aborts['decode']}; aborts of finished requests refused "
-            f"{self.aborts['finished']})",
-            f"knob changes {self.knob_changes} (mode switches {self.mode_switches}), invalid knobs refused "
-            f"{self.knobs_refused}",
-            f"preemptions {self.preemptions}  retractions {self.retractions}",
-            f"longest wait {self.longest_wait_steps} steps ({self.longest_wait_s:.2f} s) arrival to "
-            f"admission; longest life {self.longest_life_steps} steps; drain {self.drain_steps} steps",
-            f"violations {len(self.violations)}",
-        ]
-        lines += [f"  {v}" for v in self.violations[:20]]
-        return "\n".join(lines)
-
-
-def check_invariants(engine: Engine) -> list[str]:
-    """Everything that must hold between steps, as a list of what does not (empty: all holds)."""
-    scheduler, kv = engine.scheduler, engine.kv
-    problems = kv.audit()
-    running, waiting, padding = scheduler.running, list(scheduler.waiting), scheduler.padding
-    running_ids = {r.request_id for r in running}
-    waiting_ids = {r.request_id for r in waiting}
-    padding_ids = {r.request_id for r in padding}
-    if len(running_ids) != len(running) or len(waiting_ids) != len(waiting):
-        problems.append("a request is queued twice")
-    if running_ids & waiting_ids:
-        problems.append(f"both waiting and running: {sorted(running_ids & waiting_ids)}")
-    if (running_ids | waiting_ids) & padding_ids:
-        problems.append(f"a padding row is also queued: {sorted((running_ids | waiting_ids) & padding_ids)}")
-    problems += [f"{r.request_id} is running with status {r.status.value}" for r in running
-                 if r.status is not Status.RUNNING]
-    problems += [f"{r.request_id} is waiting with status {r.status.value}" for r in waiting
-                 if r.status not in (Status.WAITING, Status.PREEMPTED)]
-    # blocks belong to running requests, or to static padding rows until their batch ends (by design)
-    stray = kv.holders() - running_ids - padding_ids
-    if stray:
-        problems.append(f"blocks held by requests neither running nor padding: {sorted(stray)[:5]}")
-    if len(running) + len(padding) > engine.batch.capacity:
-        problems.append(f"{len(running) + len(padding)} rows exceed the batch capacity "
-                        f"{engine.batch.capacity}")
-    for request_id, slot in engine.batch.slot_of.items():
-        if engine.batch.request_ids[slot] != request_id:
-            problems.append(f"batch slot {slot} does not hold {request_id}")
-    return problems
+    stall_rounds: int = 5_000         # rounds without a token, a first admission or a retirement: livelock
+    stop_at_violation: bool = False   # stop after the first step that broke an invariant
 
 
 class Soak:
-    """One soak run over one engine; `run()` returns the report."""
+    """One soak run over one engine; `run()` returns the report. A round is the storm's moves (arrivals,
+    an abort, knobs) and then `step()`, the engine's step with its checks."""
 
     def __init__(self, config: SoakConfig, progress=None):
         self.config = config
@@ -154,8 +92,9 @@ class Soak:
         self._arrived: dict[str, int] = {}      # request id -> step of arrival
         self._admitted: set[str] = set()
         self._retired: Counter = Counter()
-        self._cap_before_step = 0
-        self._last_progress_step = 0
+        self._admitted_this_step = False
+        self._rounds_since_progress = 0
+        self._storm_step = -1                   # the step of the last storm round: one per step it falls on
 
     def run(self) -> SoakReport:
         started = time.perf_counter()
@@ -168,27 +107,50 @@ class Soak:
                 drain_from = engine.step_count
             if self.rng.random() < self.config.abort_probability:
                 self._abort_one()
-            if engine.step_count % self.config.knob_every_steps == 0:
+            step = engine.step_count
+            if step % self.config.knob_every_steps == 0 and step != self._storm_step:
+                self._storm_step = step
                 self._storm()
-            self._cap_before_step = len(engine.scheduler.running)
             step_before = engine.step_count
-            for output in engine.step():
-                if output.finished:
-                    engine.release(output.request_id)
-            if engine.step_count == step_before:
-                time.sleep(0.0005)                  # a dynamic batch fills on the wall clock
-            self._after_step()
-            if engine.step_count - self._last_progress_step > STALL_STEPS:
-                report.violations.append(f"no progress for {STALL_STEPS} steps at step {engine.step_count}")
+            if not self.step():
                 break
             if self.progress and engine.step_count % 2000 == 0 and engine.step_count != step_before:
                 self.progress(f"step {engine.step_count}: {report.requests} requests, "
                               f"{sum(report.finished.values())} retired")
         report.steps = engine.step_count
         report.drain_steps = engine.step_count - (drain_from if drain_from is not None else engine.step_count)
-        self._final_checks()
+        if not report.stopped:
+            self._final_checks()
         report.elapsed_s = time.perf_counter() - started
         return report
+
+    def step(self) -> bool:
+        """One engine step and every check on it; False when the run must stop (a step raised, a livelock,
+        or the first violation where the config asks)."""
+        engine, report = self.engine, self.report
+        step_before = engine.step_count
+        self._rounds_since_progress += 1
+        try:
+            outputs = engine.step()
+        except Exception as error:                 # its StepFailed is in the log: _after_step reports it
+            outputs = []
+            report.stopped = f"step {engine.step_count} raised {type(error).__name__}"
+        for output in outputs:
+            if output.finished:
+                engine.release(output.request_id)
+        if engine.step_count == step_before:
+            time.sleep(0.0005)                      # a dynamic batch fills on the wall clock
+        self._after_step()
+        if self._rounds_since_progress > self.config.stall_rounds:
+            self._violation("livelock", f"no token, first admission or retirement in "
+                                        f"{self.config.stall_rounds} rounds")
+            report.stopped = report.stopped or "livelock"
+        if self.config.stop_at_violation and report.violations:
+            report.stopped = report.stopped or "a violation"
+        return not report.stopped
+
+    def _violation(self, invariant: str, detail: str) -> None:
+        self.report.violations.append(Violation(invariant, f"step {self.engine.step_count}: {detail}"))
 
     # -- what the storm does --------------------------------------------------------------------
 
@@ -221,18 +183,18 @@ class Soak:
         kind = rng.choice(kinds)
         request = rng.choice(groups[kind])
         if not engine.abort(request.request_id):
-            self.report.violations.append(f"abort of {kind} {request.request_id} was refused")
+            self._violation("abort", f"abort of {kind} {request.request_id} was refused")
             return
         self.report.aborts[kind] += 1
         if engine.kv.num_blocks_held(request.request_id):
-            self.report.violations.append(f"aborted {request.request_id} still holds blocks")
+            self._violation("abort", f"aborted {request.request_id} still holds blocks")
         free_before = engine.kv.num_free_blocks
         if engine.abort(request.request_id):          # twice: a double free would show here
-            self.report.violations.append(f"second abort of {request.request_id} was accepted")
+            self._violation("double abort", f"second abort of {request.request_id} was accepted")
         else:
             self.report.aborts["finished"] += 1
         if engine.kv.num_free_blocks != free_before:
-            self.report.violations.append(f"second abort of {request.request_id} changed the pool")
+            self._violation("double abort", f"second abort of {request.request_id} changed the pool")
         engine.release(request.request_id)
 
     def _storm(self) -> None:
@@ -251,41 +213,34 @@ class Soak:
         except ValueError:
             self.report.knobs_refused += 1
         else:
-            self.report.violations.append(f"invalid knob {name}={value!r} was accepted")
+            self._violation("knob validation", f"invalid knob {name}={value!r} was accepted")
         if engine.knobs() != before:
-            self.report.violations.append(f"refused knob {name}={value!r} changed the knobs")
+            self._violation("knob validation", f"refused knob {name}={value!r} changed the knobs")
 
     # -- checks ------------------------------------------------------------------------------------
 
     def _after_step(self) -> None:
         engine, report = self.engine, self.report
-        step = engine.step_count
-        report.violations += [f"step {step}: {p}" for p in check_invariants(engine)]
-        knobs = engine.scheduler.knobs
+        report.violations += [Violation(v.invariant, f"step {engine.step_count}: {v.detail}")
+                              for v in check_invariants(engine)]
         for event in self.log.drain():
             kind = type(event)
             if kind is ev.StepPlanned:
-                if event.prefill_tokens + event.decode_tokens > event.token_budget:
-                    report.violations.append(f"step {event.step}: "
-                                             f"{event.prefill_tokens + event.decode_tokens} tokens scheduled "
-                                             f"over the budget {event.token_budget}")
+                self._check_plan(event)
             elif kind is ev.RequestAdmitted:
-                self._progress(event.step)
+                self._admitted_this_step = True
                 if not event.resumed and event.request_id not in self._admitted:
+                    self._progress()
                     self._admitted.add(event.request_id)
-                    wait = event.step - self._arrived[event.request_id]
+                    wait = event.step - self._arrived.get(event.request_id, event.step)
                     report.longest_wait_steps = max(report.longest_wait_steps, wait)
                     request = engine.requests.get(event.request_id)
                     if request is not None and request.admit_time is not None:
                         report.longest_wait_s = max(report.longest_wait_s,
                                                     request.admit_time - request.arrival_time)
-                cap = knobs.max_num_seqs if knobs.batching_mode == "continuous" else min(
-                    knobs.static_batch_size, knobs.max_num_seqs)
-                if len(engine.scheduler.running) > max(cap, self._cap_before_step):
-                    report.violations.append(f"step {event.step}: admitted past max_num_seqs: "
-                                             f"{len(engine.scheduler.running)} running, cap {cap}")
             elif kind is ev.RequestRetired:
-                self._progress(event.step)
+                if event.reason != "abort":     # a client's abort is no progress of the engine's
+                    self._progress()
                 self._retired[event.request_id] += 1
                 report.finished[event.reason] += 1
                 arrived = self._arrived.get(event.request_id)
@@ -293,30 +248,47 @@ class Soak:
                     report.longest_life_steps = max(report.longest_life_steps, event.step - arrived)
             elif kind is ev.StepFinished:
                 if event.sampled_request_ids:
-                    self._progress(event.step)
+                    self._progress()
             elif kind is ev.RequestPreempted:
                 report.preemptions += 1
             elif kind is ev.RequestRetracted:
                 report.retractions += 1
             elif kind is ev.StepFailed:
-                report.violations.append(f"step {event.step} raised: {event.error}")
+                report.violations.append(Violation("step raised", f"step {event.step}: {event.error}"))
 
-    def _progress(self, step: int) -> None:
-        self._last_progress_step = step
+    def _check_plan(self, event: ev.StepPlanned) -> None:
+        """The plan as the step ran it: its tokens within the budget, and, when it admitted, the running
+        count right after admission (before this step's retirements) within the cap. The knobs in force
+        are the scheduler's: the storm changes them only between steps."""
+        scheduled = event.prefill_tokens + event.recompute_tokens + event.decode_tokens
+        if scheduled > event.token_budget:
+            self.report.violations.append(Violation("budget", f"step {event.step}: {scheduled} tokens "
+                                                    f"scheduled over the budget {event.token_budget}"))
+        admitted, self._admitted_this_step = self._admitted_this_step, False
+        knobs = self.engine.scheduler.knobs
+        cap = knobs.max_num_seqs if knobs.batching_mode == "continuous" else min(
+            knobs.static_batch_size, knobs.max_num_seqs)
+        if admitted and event.num_running > cap:
+            self.report.violations.append(Violation("admission cap", f"step {event.step}: admitted to "
+                                                    f"{event.num_running} running, cap {cap}"))
+
+    def _progress(self) -> None:
+        self._rounds_since_progress = 0
 
     def _final_checks(self) -> None:
-        engine, report = self.engine, self.report
+        engine = self.engine
         if engine.kv.num_free_blocks != engine.kv.num_blocks:
-            report.violations.append(f"after the drain {engine.kv.num_used_blocks} blocks are still used")
+            self._violation("pool whole", f"after the drain {engine.kv.num_used_blocks} blocks are still "
+                                          "used")
         if engine.requests:
-            report.violations.append(f"after the drain the engine still keeps {len(engine.requests)} "
-                                     "requests")
+            self._violation("requests kept", f"after the drain the engine still keeps {len(engine.requests)} "
+                                             f"requests: {sorted(engine.requests)[:5]}")
         twice = [rid for rid, n in self._retired.items() if n != 1]
         if twice:
-            report.violations.append(f"retired more than once: {twice[:5]}")
+            self._violation("retired twice", f"{twice[:5]}")
         never = set(self._arrived) - set(self._retired)
         if never:
-            report.violations.append(f"never retired (starved): {sorted(never)[:5]}")
+            self._violation("starved", f"never retired: {sorted(never)[:5]}")
 
 
 def _poisson(rng: random.Random, mean: float) -> int:
@@ -338,10 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=SoakConfig.num_requests)
     parser.add_argument("--seed", type=int, default=SoakConfig.seed)
     parser.add_argument("--kv-blocks", type=int, default=SoakConfig.num_kv_blocks)
+    parser.add_argument("--no-write", action="store_true", help="print; leave docs/reliability.md")
     args = parser.parse_args(argv)
+    at = commit()                               # the code the figures come from: HEAD as the run starts
     config = SoakConfig(num_requests=args.requests, seed=args.seed, num_kv_blocks=args.kv_blocks)
     report = run_soak(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(report.text())
+    print(report.text(), file=sys.stderr)
+    publish(SECTION, section(report, config, at), write=not args.no_write, doc=RELIABILITY)
     return 1 if report.violations else 0
 
 

@@ -1,6 +1,7 @@
 """The soak through the HTTP server: concurrent streams, client disconnects, aborts through the control API.
 
     python -m batchtop.engine.reliability.soak_server [--requests 10000] [--concurrency 32] [--seed 0]
+        [--event-history 100000] [--warmup 2000] [--no-write]
 
 Serves the tiny model on a free loopback port (with an API key, so control goes through it) and
 drives it with `concurrency` clients. Each request is one of: a stream read to its end, a stream
@@ -8,13 +9,17 @@ the client cuts after a few chunks, a stream aborted through `POST /v1/requests/
 stream must then end with `finish_reason: abort`), or a plain completion. Every answer with status
 5xx is counted (must be 0); every stream must end with `[DONE]` unless its client cut it. Every
 `--sample-every` served requests the engine's tables and the process's resident memory are sampled:
-with finished requests released they stay flat however many are served. After the run the KV pool
-must be whole and the engine must keep no request. Exit status 1 on any violation.
+with finished requests released they stay flat however many are served, and the memory growth per
+1,000 requests after `--warmup` is printed. After the run the KV pool must be whole and the engine
+must keep no request. Exit status 1 on any violation. The figures go into docs/reliability.md's
+section for the event history (unless --no-write).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import gc
 import json
 import os
 import random
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from batchtop.engine.bench.figures import RELIABILITY, commit, cpu_name, publish
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.server.app import ServerThread, build_server
 
@@ -41,6 +47,18 @@ class ServerSoakReport:
     # served, RSS bytes, engine.requests, pending on the server, events in the server's ring
     samples: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     elapsed_s: float = 0.0
+
+    def rss_growth_per_1000(self, warmup: int) -> float | None:
+        """Resident memory growth in MiB per 1,000 requests served after the first `warmup`: the least-squares
+        slope over the samples from there on; None with fewer than two served counts to fit."""
+        after = [(served, rss / 2**20) for served, rss, *_ in self.samples if served >= warmup]
+        if len({served for served, _ in after}) < 2:
+            return None
+        mean_x = sum(x for x, _ in after) / len(after)
+        mean_y = sum(y for _, y in after) / len(after)
+        slope = (sum((x - mean_x) * (y - mean_y) for x, y in after)
+                 / sum((x - mean_x) ** 2 for x, _ in after))
+        return slope * 1000
 
     @property
     def num_5xx(self) -> int:
@@ -60,8 +78,25 @@ class ServerSoakReport:
 
 
 def resident_bytes() -> int:
+    """The process's resident memory once garbage is collected and the C allocator has handed its free
+    pages back (glibc's malloc_trim, where there is one): what is live, not the allocator's high-water
+    mark, so a sample does not depend on which thread's arena last grew."""
+    gc.collect()
+    if _libc is not None:
+        _libc.malloc_trim(0)
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_libc = _glibc()
 
 
 class ServerSoak:
@@ -182,6 +217,38 @@ class ServerSoak:
         self._sample()
 
 
+SECTION = "## Server soak: figures"
+
+
+def section(report: ServerSoakReport, args, at: str) -> str:
+    """docs/reliability.md's server soak figures: the command, where and when, answers, the samples, and
+    the memory growth after warm-up."""
+    command = (f"python -m batchtop.engine.reliability.soak_server --requests {args.requests} "
+               f"--concurrency {args.concurrency} --seed {args.seed} --sample-every {args.sample_every} "
+               f"--event-history {args.event_history} --warmup {args.warmup}")
+    outcomes = report.outcomes
+    growth = report.rss_growth_per_1000(args.warmup)
+    lines = [f"{SECTION}, event history {args.event_history:,}", "",
+             f"`{command}` (written by it), commit {at}, {time.strftime('%Y-%m-%d')}, {cpu_name()}, "
+             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end: "
+             f"{report.elapsed_s:.1f} s ({report.requests / max(report.elapsed_s, 1e-9):.1f} requests/s); "
+             f"{outcomes['complete']:,} streams complete, {outcomes['cut']:,} cut by their clients, "
+             f"{outcomes['aborted']:,} aborted through the control API, {outcomes['plain']:,} plain, "
+             f"{outcomes['refused']:,} refused; statuses "
+             + ", ".join(f"{status} × {n:,}" for status, n in sorted(report.statuses.items()))
+             + f"; **5xx {report.num_5xx}**, violations {len(report.violations)}.", "",
+             "| served | RSS MiB | `Engine.requests` | server pending | event ring |",
+             "|---:|---:|---:|---:|---:|"]
+    for i, (served, rss, num_requests, pending, ring) in enumerate(report.samples):
+        label = "after the run" if i == len(report.samples) - 1 else f"{served:,}"
+        lines.append(f"| {label} | {rss / 2**20:.1f} | {num_requests} | {pending} | {ring:,} |")
+    lines += ["", "Resident memory after the first {:,} requests: {}.".format(
+        args.warmup, "not measured (too few samples)" if growth is None else
+        f"**{growth:+.2f} MiB per 1,000 requests**")]
+    lines += [f"- {v}" for v in report.violations[:20]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m batchtop.engine.reliability.soak_server",
                                      description=__doc__.split("\n\n")[0])
@@ -191,10 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-every", type=int, default=1000)
     parser.add_argument("--event-history", type=int, default=100_000,
                         help="the server's event ring, as serve's flag")
+    parser.add_argument("--warmup", type=int, default=2000,
+                        help="requests served before the memory growth is measured")
+    parser.add_argument("--no-write", action="store_true", help="print; leave docs/reliability.md")
     args = parser.parse_args(argv)
+    at = commit()                               # the code the figures come from: HEAD as the run starts
     report = ServerSoak(args.requests, args.concurrency, args.seed, args.sample_every,
                         event_history=args.event_history).run()
-    print(report.text())
+    print(report.text(), file=sys.stderr)
+    title = f"{SECTION}, event history {args.event_history:,}"
+    publish(title, section(report, args, at), write=not args.no_write, doc=RELIABILITY)
     return 1 if report.violations or report.num_5xx else 0
 
 

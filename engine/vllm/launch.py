@@ -33,9 +33,14 @@ def vllm_python() -> Path:
     return Path(os.environ.get("BATCHTOP_VLLM_PYTHON") or PROJECT_ROOT / ".venv-vllm" / "bin" / "python")
 
 
-def vllm_available() -> str | None:
-    """None when vLLM can be started here, else why not."""
-    python = vllm_python()
+def vllm_available(python: Path | None = None) -> str | None:
+    """None when vLLM can be started here (by `python`, default vllm_python()), else why not: the reason
+    `make setup` left in the environment's UNAVAILABLE when it could not build it, or that there is no
+    environment."""
+    python = python or vllm_python()
+    unavailable = python.parent.parent / "UNAVAILABLE"
+    if unavailable.exists():
+        return unavailable.read_text().strip() or f"{unavailable} says so"
     if not python.exists():
         return f"no vLLM environment at {python.parent.parent} (make setup creates it)"
     return None

@@ -61,6 +61,6 @@ def test_cuda_graphs_flag_reaches_the_engine_config():
     from batchtop.engine.flags import engine_config
     from batchtop.tui.cli import build_parser
     parser = build_parser()
-    assert engine_config(parser.parse_args(["generate", "--prompt", "x"])).cuda_graphs == "on"
+    assert engine_config(parser.parse_args(["generate", "--prompt", "x"])).cuda_graphs == "off"
     assert engine_config(parser.parse_args(["generate", "--prompt", "x", "--cuda-graphs",
-                                            "off"])).cuda_graphs == "off"
+                                            "on"])).cuda_graphs == "on"

@@ -1,6 +1,6 @@
 """CUDA graphs for decode steps on a GPU: captured at start, reported, replayed with outputs token-identical
-to the engine without them (and, through test_engine_cuda.py, whose engines now run with graphs on by
-default, to transformers' generate); no device-to-host copy inside a step but the sampled tokens.
+to the engine without them (and, through test_engine_cuda.py's "roomy-cuda-graphs-on" engine, to
+transformers' generate); no device-to-host copy inside a step but the sampled tokens.
 Skipped where torch sees no CUDA device; run with TRITON_INTERPRET=0 (docs/kernels.md). The padding
 and buffer logic itself is tested on the CPU in test_decode_graphs.py."""
 import random

@@ -46,9 +46,10 @@ def triton_calls(monkeypatch):
 @pytest.mark.parametrize("config", [
     dict(max_num_seqs=8, max_num_batched_tokens=48, long_prefill_token_threshold=16, num_kv_blocks=20),
     dict(max_num_seqs=32, max_num_batched_tokens=512),
+    dict(max_num_seqs=32, max_num_batched_tokens=512, cuda_graphs="on"),
     dict(max_num_seqs=8, max_num_batched_tokens=48, long_prefill_token_threshold=16,
          attention_backend="torch"),
-], ids=["chunked-preempting", "roomy", "torch-attention"])
+], ids=["chunked-preempting", "roomy", "roomy-cuda-graphs-on", "torch-attention"])
 def test_random_prompts_on_cuda_match_generate(config, triton_calls):
     assert not attention_triton.INTERPRET, "run with TRITON_INTERPRET=0"
     loaded, reference = load_model("tiny"), load_model("tiny")

@@ -68,7 +68,7 @@ def assert_matches_transformers(model):
     return runner
 
 
-@pytest.mark.skipif(not cpu.available(), reason="no C++ build")
+@pytest.mark.skipif(cpu.unbuildable_reason() is not None, reason="the C++ kernels cannot be built here")
 @pytest.mark.parametrize("prompt_attention", ["decode kernel a row per token", "SDPA a sequence at a time"])
 def test_fused_forward_matches_transformers(tiny, monkeypatch, prompt_attention):
     fresh_forwards(monkeypatch)
@@ -120,7 +120,7 @@ def small_llama(**overrides):
     return model
 
 
-@pytest.mark.skipif(not cpu.available(), reason="no C++ build")
+@pytest.mark.skipif(cpu.unbuildable_reason() is not None, reason="the C++ kernels cannot be built here")
 def test_fused_forward_adds_every_projection_bias(monkeypatch):
     fresh_forwards(monkeypatch)
     runner = assert_matches_transformers(small_llama(attention_bias=True, mlp_bias=True))

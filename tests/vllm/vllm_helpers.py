@@ -38,21 +38,13 @@ def env_python(env: str) -> Path:
 
 def env_skip_reason(env: str) -> str | None:
     """None when the vLLM environment `env` is there, else why not (what make setup recorded)."""
-    unavailable = ROOT / env / "UNAVAILABLE"
-    if unavailable.exists():
-        return unavailable.read_text().strip()
-    if not env_python(env).exists():
-        return f"no vLLM environment at {ROOT / env} (make setup creates it)"
-    return None
+    return vllm_available(env_python(env))
 
 
 def skip_reason() -> str | None:
-    """Why the vLLM server tests cannot run here (they use .venv-vllm, or $BATCHTOP_VLLM_PYTHON)."""
-    reason = vllm_available()
-    unavailable = ROOT / ".venv-vllm" / "UNAVAILABLE"
-    if unavailable.exists():
-        reason = unavailable.read_text().strip()
-    return reason
+    """Why the vLLM server tests cannot run here (they use .venv-vllm, or $BATCHTOP_VLLM_PYTHON): the
+    reason the metrics tests give too (launch.vllm_available)."""
+    return vllm_available()
 
 
 class EventFollower:
