@@ -50,8 +50,13 @@ def cmd_whatif(args) -> int:
     from .grid import format_table, parse_settings, whatif, write_runs
     from .recording import read_recording
     rec = read_recording(args.recording)
-    grid = parse_settings(args.set, rec.setup.batch_capacity)
-    result = whatif(rec, grid)
+    if rec.setup.vllm is not None:
+        from .vllm_replay import VLLM_MAX_NUM_SEQS, whatif_vllm
+        result = whatif_vllm(rec, parse_settings(args.set, VLLM_MAX_NUM_SEQS))
+        grid = result.runs[2:]
+    else:
+        grid = parse_settings(args.set, rec.setup.batch_capacity)
+        result = whatif(rec, grid)
     paths = write_runs(result, args.record) if args.record and grid else []
     if args.json:
         print(json.dumps({**result.to_dict(), "recorded_to": paths}, default=str))
