@@ -86,10 +86,14 @@ class HarnessProcess:
 
 
 def harness_trace(rec: Recording) -> list[dict]:
-    """The recording's requests as the harness's TraceRequest fields."""
+    """The recording's requests as the harness's TraceRequest fields. A request arrives when vLLM's
+    `Request` says (its FirstToken's time less its TTFT: the API server took it before the scheduler
+    saw it), else when the scheduler saw it (RequestArrived)."""
+    arrived = {e.request_id: e.t - e.ttft_s - rec.t0 for e in rec.events if isinstance(e, ev.FirstToken)}
     trace = []
     for r in rec.requests:
-        row = {"request_id": r.request_id, "arrival_s": max(r.arrival_s - EARLY_S, 0.0),
+        arrival_s = min(arrived.get(r.request_id, r.arrival_s), r.arrival_s)
+        row = {"request_id": r.request_id, "arrival_s": max(arrival_s - EARLY_S, 0.0),
                "num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.max_tokens,
                "output_len": r.num_output_tokens if r.stops else r.max_tokens, "priority": r.priority}
         if r.abort_after_s is not None:

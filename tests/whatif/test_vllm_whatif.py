@@ -48,8 +48,11 @@ def write(path, header, events) -> str:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    if not (vllm_replay.PROJECT_ROOT / ".venv-vllm" / "bin" / "python").exists():
-        pytest.skip("no vLLM 0.32 environment here (.venv-vllm; make setup builds it)")
+    env = vllm_replay.PROJECT_ROOT / vllm_replay.VLLM_ENVS["0.32"]
+    if (env / "UNAVAILABLE").exists():
+        pytest.skip(f"no vLLM 0.32 here: {(env / 'UNAVAILABLE').read_text().strip()}")
+    if not (env / "bin" / "python").exists():
+        pytest.skip(f"no vLLM 0.32 environment at {env} (make setup builds it)")
     folder = tmp_path_factory.mktemp("vllm-whatif")
     with vllm_replay.HarnessProcess("0.32") as harness:
         result = harness.run({"trace": trace(), "limits": LIMITS, "scheduler": "batchtop", "events": True,
