@@ -87,6 +87,9 @@ def cmd_tune(args) -> int:
     if args.verify and not args.apply:
         raise ValueError("--verify needs --apply URL")
     rec = read_recording(args.recording)
+    if rec.setup.vllm is not None:
+        raise ValueError(f"{rec.path}: tune runs batchtop's scheduler; for a recording made inside vLLM "
+                         "run the grid with batchtop whatif --set")
     slo = parse_slo(args.slo)
     grid = parse_knob_range(args.knob, rec.setup.batch_capacity)
     result = tune(rec, grid, slo)

@@ -111,3 +111,6 @@ def test_a_vllm_recording_without_its_environment_is_refused_in_one_line(inside_
     assert "replays vLLM 0.32 and 0.33 only" in capsys.readouterr().err
     assert main(["whatif", inside_vllm("vllm 0.32.1"), "--set", "batching_mode=static"]) == 2
     assert "not a knob of vLLM's scheduler" in capsys.readouterr().err
+    tune = ["tune", inside_vllm("vllm 0.32.1"), "--slo", "ttft_p99=1s", "--knob", "max_num_seqs=1..4"]
+    assert main(tune) == 2
+    assert "made inside vLLM" in capsys.readouterr().err
