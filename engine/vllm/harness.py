@@ -490,7 +490,10 @@ def recording_header(scheduler, limits: Limits) -> dict:
 
     from batchtop.telemetry.recorder import make_header
 
-    header = make_header(None, scheduler.batchtop_controls.knobs(), device=f"vllm {vllm.__version__}",
+    knobs = {"max_num_seqs": scheduler.max_num_active_reqs,
+             "max_num_batched_tokens": scheduler.max_num_scheduled_tokens,
+             "long_prefill_token_threshold": scheduler.scheduler_config.long_prefill_token_threshold}
+    header = make_header(None, knobs, device=f"vllm {vllm.__version__}",
                          engine=dataclasses.asdict(limits), harness=True)
     header["start_monotonic"] = 0.0
     return header
