@@ -1,7 +1,9 @@
 """vLLM's own scheduler on a virtual clock: no model, no device, no server.
 
     python -m batchtop.engine.vllm.harness --trace TRACE.json [--limits LIMITS.json]
-        [--scheduler vllm|batchtop] [--step-time-s 0.02] [--events] > RESULT.json
+        [--scheduler vllm|batchtop] [--step-time-s 0.02 | --step-time STEP_TIME.json] [--events]
+        > RESULT.json
+    python -m batchtop.engine.vllm.harness --serve    # one job a line on stdin, one result a line out
 
 (with vLLM's Python: batchtop's own environment has no vLLM). The way vLLM tests its scheduler:
 `build_scheduler()` makes vLLM's `Scheduler` or `AsyncScheduler`, or batchtop's subclasses of them,
@@ -14,14 +16,22 @@ it follows vLLM's engine core (a batch queue of two): step N+1 is scheduled befo
 
 JSON in: a trace is a list of requests (`TraceRequest`'s fields: `arrival_s`, `prompt_token_ids` or
 `num_prompt_tokens`, `output_len`, `max_tokens`, `priority`, `abort_s`); limits are `Limits`'
-fields. JSON out: `steps` (one `StepRecord` each), `requests` (one `RequestRecord` each) and, under
-batchtop's class with `--events`, the events as docs/events.md's JSON. A guest module: it imports
-only batchtop's telemetry and vLLM.
+fields. A step time is a constant, a table (`{"table_s": [...]}`: the k-th step that schedules
+tokens lasts `table_s[k]`) or a linear law over the step's shape (`{"law": {feature: seconds per
+unit}, "intercept_s": a, "scale": s}`, features of `StepRecord`: what `batchtop whatif` fits).
+JSON out: `steps` (one `StepRecord` each), `requests` (one `RequestRecord` each) and, under
+batchtop's class with `--events`, the events as docs/events.md's JSON, stamped with the virtual
+clock (their times and step timings are the virtual ones, as a recording of the run would read),
+with `header`: a recording's header naming this vLLM. `--serve` keeps one vLLM import for many
+runs: each stdin line is a job (`trace`, `limits`, `scheduler`, `step_time`, `events`), each result
+one line on stdout (vLLM's own logging goes to stderr). A guest module: it imports only batchtop's
+telemetry and vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -43,6 +53,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+SHAPE_FEATURES = ("num_rows", "prefill_tokens", "decode_rows", "context_tokens", "prefill_attention")
 STOP_TOKEN = 2  # the made-up runner's token that ends a request before max_tokens
 SAMPLED_TOKEN = 7  # every other sampled token
 FIRST_PROMPT_TOKEN = 10  # prompts made from a length use ids from here on
@@ -103,6 +114,12 @@ class StepRecord:
     num_running: int
     num_waiting: int
     kv_blocks_used: int
+    # what the step computed (the step-time law's features)
+    num_rows: int = 0
+    prefill_tokens: int = 0  # tokens of rows still computing a prompt (or recomputing one)
+    decode_rows: int = 0
+    context_tokens: int = 0  # sum of the rows' sequence lengths after the step
+    prefill_attention: int = 0  # sum over prefill rows of chunk x sequence length
 
 
 @dataclass
@@ -221,6 +238,7 @@ class Harness:
         self._next_arrival = 0
         self._aborts = sorted((r.abort_s, rid) for rid, r in self.trace if r.abort_s is not None)
         self._output_len: dict[str, int] = {}
+        self._shapes: dict[int, dict] = {}  # id(scheduler output): its shape, until its update
         cache = scheduler.cache_config
         self._block_hasher = None
         if cache.enable_prefix_caching:
@@ -307,6 +325,25 @@ class Harness:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
         )
 
+    def shape_of(self, output) -> dict:
+        """What a scheduled step computes (SHAPE_FEATURES), as `schedule()` left the requests."""
+        shape = self._shapes.get(id(output))
+        if shape is not None:
+            return shape
+        shape = dict.fromkeys(SHAPE_FEATURES, 0)
+        for request_id, n in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            seq_len = request.num_computed_tokens  # already advanced by schedule()
+            shape["num_rows"] += 1
+            shape["context_tokens"] += seq_len
+            if n == 1 and seq_len - 1 >= request.num_prompt_tokens:
+                shape["decode_rows"] += 1
+            else:
+                shape["prefill_tokens"] += n
+                shape["prefill_attention"] += n * seq_len
+        self._shapes[id(output)] = shape
+        return shape
+
     # -- the loop -----------------------------------------------------------------------------
 
     def run(self, max_steps: int | None = None) -> Harness:
@@ -327,6 +364,8 @@ class Harness:
                     self.between_steps(self)
                 output = s.schedule()
                 idle = 0 if output.total_num_scheduled_tokens else idle + 1
+                if output.total_num_scheduled_tokens:
+                    self.shape_of(output)
                 self.in_flight.append((output, self.runner_output(output), self.clock_s))
                 if len(self.in_flight) < depth and output.total_num_scheduled_tokens > 0:
                     continue
@@ -342,6 +381,7 @@ class Harness:
                 self.clock_s = next_s if next_s is not None and next_s > self.clock_s else self.clock_s + 1e-3
             return
         step_s = float(self.step_time(output))
+        shape = self._shapes.pop(id(output), None) or self.shape_of(output)
         self.clock_s = max(self.clock_s, scheduled_s) + step_s
         finished = []
         for outputs in s.update_from_output(output, runner_output).values():
@@ -366,6 +406,7 @@ class Harness:
                 num_running=num_running,
                 num_waiting=num_waiting,
                 kv_blocks_used=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+                **shape,
             )
         )
 
@@ -387,9 +428,115 @@ class Harness:
         return out
 
 
+class VirtualTime:
+    """`time` as batchtop's class inside vLLM reads it, on a harness's virtual clock: events stamped
+    with it carry the virtual times, and the step timings (`forward_s`: from the end of `schedule()`
+    to `update_from_output()`) come out as the step times the harness was given."""
+
+    def __init__(self):
+        self.harness: Harness | None = None
+
+    def monotonic(self) -> float:
+        return self.harness.clock_s if self.harness is not None else 0.0
+
+    time = perf_counter = monotonic
+
+
+@contextlib.contextmanager
+def on_virtual_time(harness: Harness):
+    """While inside, the events of batchtop's class under `harness` carry its virtual clock."""
+    from . import observer, scheduler
+
+    real = observer.time, scheduler.time
+    clock = VirtualTime()
+    clock.harness = harness
+    observer.time = scheduler.time = clock
+    try:
+        yield harness
+    finally:
+        observer.time, scheduler.time = real
+
+
+def step_time_from(spec, harness_of: Callable[[], Harness]) -> Callable[[object], float]:
+    """A step-time function from a constant, `{"table_s": [...]}` or `{"law": ..., "intercept_s": ...,
+    "scale": ...}` (see the module's text)."""
+    if isinstance(spec, (int, float)):
+        return lambda output: float(spec)
+    if "table_s" in spec:
+        table, taken = list(spec["table_s"]), [0]
+
+        def from_table(output) -> float:
+            k = taken[0]
+            taken[0] += 1
+            return float(table[k]) if k < len(table) else float(table[-1])
+
+        return from_table
+    law, unknown = dict(spec["law"]), set(spec["law"]) - set(SHAPE_FEATURES)
+    if unknown:
+        raise ValueError(f"step-time law: unknown feature(s) {', '.join(sorted(unknown))}; "
+                         f"features: {', '.join(SHAPE_FEATURES)}")
+    intercept, scale = float(spec.get("intercept_s", 0.0)), float(spec.get("scale", 1.0))
+
+    def from_law(output) -> float:
+        shape = harness_of().shape_of(output)
+        return scale * (intercept + sum(c * shape[name] for name, c in law.items()))
+
+    return from_law
+
+
+def recording_header(scheduler, limits: Limits) -> dict:
+    """A recording's header for a run of batchtop's class under the harness: it names this vLLM."""
+    import vllm
+
+    from batchtop.telemetry.recorder import make_header
+
+    knobs = {"max_num_seqs": scheduler.max_num_active_reqs,
+             "max_num_batched_tokens": scheduler.max_num_scheduled_tokens,
+             "long_prefill_token_threshold": scheduler.scheduler_config.long_prefill_token_threshold}
+    header = make_header(None, knobs, device=f"vllm {vllm.__version__}",
+                         engine=dataclasses.asdict(limits), harness=True)
+    header["start_monotonic"] = 0.0
+    return header
+
+
+def run_job(job: dict) -> dict:
+    """One run: `trace` (TraceRequest fields), `limits`, `scheduler`, `step_time`, `events`."""
+    trace = trace_of(job["trace"])
+    limits = Limits(**job.get("limits", {}))
+    kind = job.get("scheduler", "vllm")
+    scheduler = build_scheduler(limits, kind, job.get("model"))
+    harness: list[Harness] = []
+    step_time = step_time_from(job.get("step_time", 0.02), lambda: harness[0])
+    harness.append(Harness(scheduler, trace, step_time=step_time))
+    events = job.get("events", False) and kind == "batchtop"
+    with on_virtual_time(harness[0]) if events else contextlib.nullcontext():
+        result = harness[0].run(job.get("max_steps")).result(with_events=events)
+    if events:
+        result["header"] = recording_header(scheduler, limits)
+    return result
+
+
+def serve(lines, out) -> int:
+    """`--serve`: a job a line in, a result a line out (`{"error": ...}` for a bad job)."""
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            result = run_job(json.loads(line))
+        except (ValueError, TypeError, KeyError) as error:
+            result = {"error": f"{type(error).__name__}: {error}"}
+        out.write(json.dumps(result) + "\n")
+        out.flush()
+    return 0
+
+
 def read_trace(path: str) -> list[TraceRequest]:
     with open(path) as f:
         raw = json.load(f)
+    return trace_of(raw)
+
+
+def trace_of(raw) -> list[TraceRequest]:
     rows = raw["requests"] if isinstance(raw, dict) else raw
     names = {f.name for f in dataclasses.fields(TraceRequest)}
     trace = []
@@ -410,28 +557,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m batchtop.engine.vllm.harness", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--trace", required=True, help="a JSON list of requests (TraceRequest's fields)")
+    parser.add_argument("--serve", action="store_true", help="run jobs read from stdin, one JSON a line")
+    parser.add_argument("--trace", help="a JSON list of requests (TraceRequest's fields)")
     parser.add_argument("--limits", help="a JSON object of Limits' fields")
     parser.add_argument("--scheduler", choices=("vllm", "batchtop"), default="vllm")
     parser.add_argument("--step-time-s", type=float, default=0.02, help="the virtual time of every step")
+    parser.add_argument("--step-time", help="a JSON file: {\"table_s\": [...]} or a law (see above)")
     parser.add_argument("--model", help="a model folder whose config.json vLLM reads (default: none needed)")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument(
         "--events", action="store_true", help="include batchtop's events (--scheduler batchtop)"
     )
     args = parser.parse_args(argv)
+    if args.serve:
+        out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # vLLM's logging must not mix with the results
+        return serve(sys.stdin, out)
+    if not args.trace:
+        parser.error("--trace is required (or --serve)")
     try:
-        trace = read_trace(args.trace)
-        limits = Limits()
+        with open(args.trace) as f:
+            trace = json.load(f)
+        job = {"trace": trace, "scheduler": args.scheduler, "events": args.events,
+               "model": args.model, "max_steps": args.max_steps, "step_time": args.step_time_s}
         if args.limits:
             with open(args.limits) as f:
-                limits = Limits(**json.load(f))
+                job["limits"] = json.load(f)
+        if args.step_time:
+            with open(args.step_time) as f:
+                job["step_time"] = json.load(f)
+        trace_of(job["trace"])
+        Limits(**job.get("limits", {}))
     except (OSError, ValueError, TypeError) as error:
         print(f"harness: {error}", file=sys.stderr)
         return 2
-    scheduler = build_scheduler(limits, args.scheduler, args.model)
-    harness = Harness(scheduler, trace, step_time=lambda output: args.step_time_s).run(args.max_steps)
-    json.dump(harness.result(with_events=args.events), sys.stdout)
+    json.dump(run_job(job), sys.stdout)
     print()
     return 0
 

@@ -50,8 +50,13 @@ def cmd_whatif(args) -> int:
     from .grid import format_table, parse_settings, whatif, write_runs
     from .recording import read_recording
     rec = read_recording(args.recording)
-    grid = parse_settings(args.set, rec.setup.batch_capacity)
-    result = whatif(rec, grid)
+    if rec.setup.vllm is not None:
+        from .vllm_replay import VLLM_MAX_NUM_SEQS, whatif_vllm
+        result = whatif_vllm(rec, parse_settings(args.set, VLLM_MAX_NUM_SEQS))
+        grid = result.runs[2:]
+    else:
+        grid = parse_settings(args.set, rec.setup.batch_capacity)
+        result = whatif(rec, grid)
     paths = write_runs(result, args.record) if args.record and grid else []
     if args.json:
         print(json.dumps({**result.to_dict(), "recorded_to": paths}, default=str))
@@ -82,6 +87,9 @@ def cmd_tune(args) -> int:
     if args.verify and not args.apply:
         raise ValueError("--verify needs --apply URL")
     rec = read_recording(args.recording)
+    if rec.setup.vllm is not None:
+        raise ValueError(f"{rec.path}: tune runs batchtop's scheduler; for a recording made inside vLLM "
+                         "run the grid with batchtop whatif --set")
     slo = parse_slo(args.slo)
     grid = parse_knob_range(args.knob, rec.setup.batch_capacity)
     result = tune(rec, grid, slo)

@@ -120,6 +120,7 @@ def write_runs(result: WhatIf, out: str) -> list[str]:
             f"{target.stem}." + "-".join(f"{k}={v}" for k, v in run.knobs.items()) + target.suffix)
         header = make_header(result.recording.model, {**result.recording.setup.knobs, **run.knobs},
                              engine=result.recording.setup.to_dict(),
+                             device=result.recording.header.get("device"),
                              whatif={"recording": result.recording.path, "knobs": run.knobs,
                                      "forward": result.model.forward.describe(),
                                      "heldout_mape": result.model.forward.heldout_mape})

@@ -45,8 +45,11 @@ class EngineSetup:
     max_model_len: int
     knobs: dict                        # the knobs at the recording's start
     assumed: tuple[str, ...] = ()      # setup fields the recording did not carry
+    vllm: dict | None = None           # made inside vLLM: the harness's Limits, and `version` ("0.32")
 
     def to_dict(self) -> dict:
+        if self.vllm is not None:
+            return {key: value for key, value in self.vllm.items() if key != "version"}
         return {"num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size, "policy": self.policy,
                 "layout": self.layout, "batch_capacity": self.batch_capacity,
                 "max_model_len": self.max_model_len}
@@ -86,6 +89,12 @@ def made_inside_vllm(header: dict) -> bool:
     return str(header.get("device") or "").startswith("vllm")
 
 
+def vllm_version(header: dict) -> str:
+    """"0.32" of a header's "vllm 0.32.1"."""
+    release = str(header.get("device")).split()[-1]
+    return ".".join(release.split(".")[:2])
+
+
 def read_recording(path: str) -> Recording:
     """The recording at `path`; ValueError (one line) when it cannot be replayed."""
     with LogReader(path) as log:
@@ -99,9 +108,6 @@ def read_recording(path: str) -> Recording:
 
 def recording_from(header: dict, events: list[ev.Event], path: str = "<events>") -> Recording:
     """A recording of events already read (a log, or an engine's sink in a test)."""
-    if made_inside_vllm(header):
-        raise ValueError(f"{path}: a recording made inside vLLM ({header['device']}); replaying it needs the "
-                         "vLLM harness (engine/vllm/harness.py), which this build does not have")
     steps = [e for e in events if isinstance(e, ev.StepFinished)]
     if not steps:
         raise ValueError(f"{path}: no StepFinished events: nothing to fit step times on")
@@ -109,7 +115,7 @@ def recording_from(header: dict, events: list[ev.Event], path: str = "<events>")
         raise ValueError(f"{path}: its StepFinished events carry no timings (forward_s is 0 throughout)")
     t0 = events[0].t
     requests = _trace(path, events, t0)
-    setup = _setup(header, events, requests)
+    setup = (_vllm_setup if made_inside_vllm(header) else _setup)(header, events, requests)
     changes = [(e.t - t0, e.name, e.new) for e in events if isinstance(e, ev.KnobChanged)]
     return Recording(path, header, events, t0, requests, setup, changes)
 
@@ -165,3 +171,33 @@ def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -
         assumed.append(name)
     return EngineSetup(values["num_kv_blocks"], values["block_size"], values["policy"], values["layout"],
                        values["batch_capacity"], max_model_len, knobs, tuple(assumed))
+
+
+# vLLM's scheduler knobs that batchtop's class turns live (engine/vllm/control.py), and the
+# harness's defaults for the set-up a live recording does not carry.
+VLLM_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
+VLLM_DEFAULTS = {"block_size": 16, "enable_prefix_caching": False, "policy": "fcfs",
+                 "async_scheduling": False}
+
+
+def _vllm_setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -> EngineSetup:
+    """The harness's Limits: the header's `engine` entry (a harness run writes it), else the pool from
+    the steps (plus vLLM's null block) and the harness's defaults, listed in `assumed`."""
+    engine = dict(header.get("engine") or {})
+    knobs = {name: value for name, value in (header.get("knobs") or {}).items() if name in VLLM_KNOBS}
+    if "max_num_seqs" not in knobs or "max_num_batched_tokens" not in knobs:
+        raise ValueError("the recording's header lacks the knobs max_num_seqs and max_num_batched_tokens")
+    knobs.setdefault("long_prefill_token_threshold", 0)
+    total = next(e.kv_blocks_total for e in events if isinstance(e, ev.StepFinished))
+    limits = {"num_blocks": engine.get("num_blocks", total + 1),
+              "max_model_len": engine.get("max_model_len",
+                                          max(r.num_prompt_tokens + r.max_tokens for r in requests))}
+    assumed = []
+    for name, default in VLLM_DEFAULTS.items():
+        if name not in engine:
+            assumed.append(name)
+        limits[name] = engine.get(name, default)
+    limits.update(knobs)
+    return EngineSetup(limits["num_blocks"] - 1, limits["block_size"], limits["policy"], "vllm",
+                       knobs["max_num_seqs"], limits["max_model_len"], knobs, tuple(assumed),
+                       {**limits, "version": vllm_version(header)})

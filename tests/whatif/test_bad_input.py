@@ -71,12 +71,6 @@ def test_tune_refuses_bad_slos_and_ranges(good, capsys):
     assert "unknown knob" in fails(capsys, "tune", good, "--slo", "ttft_p99=1s", "--knob", "seqs=1..4")
 
 
-def test_a_recording_made_inside_vllm_needs_the_harness(tmp_path, rec, capsys):
-    inside = dataclasses.replace(rec, header={**rec.header, "device": "vllm 0.32.1"})
-    path = write(tmp_path / "vllm.jsonl", inside)
-    assert "vLLM harness" in fails(capsys, "whatif", path, "--set", "max_num_seqs=2")
-
-
 def test_diff_of_two_different_traces(tmp_path, good, capsys):
     other = write(tmp_path / "other.jsonl", synthetic_recording(linear_law, num_requests=31, seed=4))
     assert "different traces" in fails(capsys, "diff", good, other)

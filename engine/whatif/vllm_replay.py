@@ -1,0 +1,195 @@
+"""A recording made inside vLLM, re-scheduled by vLLM's own scheduler: the harness of the vLLM that
+recorded it (engine/vllm/harness.py), run by that vLLM environment's interpreter in a subprocess
+(vLLM's pins differ from batchtop's), one vLLM import for the whole grid (`--serve`).
+
+Every run is batchtop's class inside vLLM's `Scheduler` on the harness's virtual clock, so it gives
+the events a live vLLM gives. The identity replay takes each recorded step's time (a table, the
+k-th step the k-th recorded time): the same scheduler must then plan the recorded step at every
+step (`signatures`). The step-time law is fitted as for batchtop's recordings (steptime.py), on the
+shapes the identity replay computed, and handed to the harness as its coefficients (the overheads'
+intercepts, the mean gap between steps and the mean recorded slowdown folded in: the harness steps
+back to back and draws nothing at random). Prompts are made-up ids of the recorded lengths: a live
+recording carries no token ids, so a replay sees no prefix hits; the recording's own knob changes
+are not replayed (each run keeps its knobs throughout).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from batchtop.telemetry import events as ev
+from batchtop.telemetry.events import event_from_dict
+
+from .grid import Run, WhatIf, points, run_of
+from .recording import VLLM_KNOBS, Recording
+from .replay import Identity, recorded_phases, signatures
+from .steptime import StepTimeModel, fit_model
+from .virtual import StepShape
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+VLLM_ENVS = {"0.32": ".venv-vllm", "0.33": ".venv-vllm033"}   # what `make setup` builds
+EARLY_S = 1e-9              # arrivals and aborts a hair early: the harness takes them at clock >= time
+VLLM_MAX_NUM_SEQS = 1024    # the largest max_num_seqs a what-if may ask of a fresh vLLM scheduler
+SHAPE_FIELDS = ("num_rows", "prefill_tokens", "decode_rows", "context_tokens", "prefill_attention")
+
+
+def vllm_python(version: str) -> Path:
+    """The interpreter of the environment of vLLM `version`; ValueError (one line) when not installed."""
+    env = VLLM_ENVS.get(version)
+    if env is None:
+        raise ValueError(f"a recording made inside vLLM {version}: batchtop replays vLLM "
+                         f"{' and '.join(VLLM_ENVS)} only (environments {', '.join(VLLM_ENVS.values())})")
+    python = PROJECT_ROOT / env / "bin" / "python"
+    if not python.exists():
+        raise ValueError(f"a recording made inside vLLM {version}: its environment {env} is not installed "
+                         f"here (make setup builds it)")
+    return python
+
+
+class HarnessProcess:
+    """`python -m batchtop.engine.vllm.harness --serve` in a vLLM environment: a job in, a result out."""
+
+    def __init__(self, version: str):
+        self.version = version
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._process = subprocess.Popen(
+            [str(vllm_python(version)), "-m", "batchtop.engine.vllm.harness", "--serve"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+
+    def run(self, job: dict) -> dict:
+        self._process.stdin.write(json.dumps(job) + "\n")
+        self._process.stdin.flush()
+        line = self._process.stdout.readline()
+        if not line:
+            self._log.seek(0)
+            tail = self._log.read().strip().splitlines()[-1:] or ["no output"]
+            raise ValueError(f"the vLLM {self.version} harness ended: {tail[0]}")
+        result = json.loads(line)
+        if "error" in result:
+            raise ValueError(f"the vLLM {self.version} harness refused a run: {result['error']}")
+        return result
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            self._process.wait(timeout=60)
+        self._log.close()
+
+    def __enter__(self) -> HarnessProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def harness_trace(rec: Recording) -> list[dict]:
+    """The recording's requests as the harness's TraceRequest fields. A request arrives when vLLM's
+    `Request` says (its FirstToken's time less its TTFT: the API server took it before the scheduler
+    saw it), else when the scheduler saw it (RequestArrived)."""
+    arrived = {e.request_id: e.t - e.ttft_s - rec.t0 for e in rec.events if isinstance(e, ev.FirstToken)}
+    trace = []
+    for r in rec.requests:
+        arrival_s = min(arrived.get(r.request_id, r.arrival_s), r.arrival_s)
+        row = {"request_id": r.request_id, "arrival_s": max(arrival_s - EARLY_S, 0.0),
+               "num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.max_tokens,
+               "output_len": r.num_output_tokens if r.stops else r.max_tokens, "priority": r.priority}
+        if r.abort_after_s is not None:
+            row["abort_s"] = r.arrival_s + r.abort_after_s - EARLY_S
+        trace.append(row)
+    return trace
+
+
+def harness_limits(rec: Recording, changed: dict | None = None) -> dict:
+    limits = {key: value for key, value in rec.setup.vllm.items() if key != "version"}
+    return {**limits, **(changed or {})}
+
+
+def recorded_table(rec: Recording) -> list[float]:
+    """Each recorded step's time, in step order: what the identity replay's k-th step lasts."""
+    return [recorded_phases(e).total_s for e in sorted(rec.steps, key=lambda e: e.step)]
+
+
+def law_spec(model: StepTimeModel) -> dict:
+    """The fitted model as the harness's step-time law: the forward law times the mean slowdown, plus
+    the overheads' per-row terms, their intercepts and the mean gap."""
+    law, scale = model.forward, model.mean_slowdown
+    coef = dict.fromkeys(SHAPE_FIELDS, 0.0)
+    for name, c in zip(law.names, law.coef[1:]):
+        for feature in (("prefill_tokens", "decode_rows") if name == "num_tokens" else (name,)):
+            coef[feature] += c * scale
+    intercept = law.coef[0] * scale + model.gap_s
+    for a, b in model.overhead.values():
+        intercept += a
+        coef["num_rows"] += b
+    return {"law": coef, "intercept_s": intercept}
+
+
+def _job(rec: Recording, step_time, changed: dict | None = None) -> dict:
+    return {"trace": harness_trace(rec), "limits": harness_limits(rec, changed), "scheduler": "batchtop",
+            "events": True, "step_time": step_time}
+
+
+def _events(result: dict) -> list[ev.Event]:
+    return [event_from_dict(e) for e in result["events"]]
+
+
+def _shapes(result: dict) -> list[StepShape]:
+    return [StepShape(*(step[name] for name in SHAPE_FIELDS)) for step in result["steps"]]
+
+
+def identity_through_harness(rec: Recording, harness: HarnessProcess) -> tuple[Identity, list[StepShape]]:
+    """The recording's trace through vLLM's scheduler on the recorded step times, compared step by step."""
+    result = harness.run(_job(rec, {"table_s": recorded_table(rec)}))
+    events = _events(result)
+    recorded, replayed = signatures(rec.events), signatures(events)
+    steps = sorted(recorded)
+    matching = [step for step in steps if replayed.get(step) == recorded[step]]
+    mismatch = next((step for step in steps if replayed.get(step) != recorded[step]), None)
+    return Identity(None, events, len(steps), len(matching), mismatch), _shapes(result)
+
+
+def fit_through_harness(rec: Recording, shapes: list[StepShape]) -> StepTimeModel:
+    """steptime.py's fit on the identity replay's shapes, paired with the recorded steps in order."""
+    finished = sorted(rec.steps, key=lambda e: e.step)
+    pairs = list(zip(shapes, finished))
+    gaps = []
+    for before, after in zip(finished, finished[1:]):
+        if before.num_running + before.num_waiting > 0 and after.step == before.step + 1:
+            gaps.append(after.t - recorded_phases(after).total_s - before.t)
+    return fit_model([s for s, _ in pairs], [e for _, e in pairs], gaps)
+
+
+def predict_through_harness(rec: Recording, model: StepTimeModel, harness: HarnessProcess, changed: dict,
+                            label: str | None = None) -> Run:
+    started = time.perf_counter()
+    result = harness.run(_job(rec, law_spec(model), changed))
+    seconds = time.perf_counter() - started
+    counted = model.fresh()
+    for shape in _shapes(result):
+        counted(shape)
+    label = label or ", ".join(f"{k}={v}" for k, v in changed.items()) or "as recorded (fitted)"
+    return run_of(label, changed, _events(result), extrapolation=counted.extrapolation(), seconds=seconds)
+
+
+def check_grid(grid: dict[str, list]) -> None:
+    unknown = [name for name in grid if name not in VLLM_KNOBS]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a knob of vLLM's scheduler; "
+                         f"knobs: {', '.join(VLLM_KNOBS)}")
+
+
+def whatif_vllm(rec: Recording, grid: dict[str, list], harness: HarnessProcess | None = None) -> WhatIf:
+    """`whatif` for a recording made inside vLLM: the identity replay, the fit, the grid's runs."""
+    check_grid(grid)
+    if harness is None:
+        with HarnessProcess(rec.setup.vllm["version"]) as own:
+            return whatif_vllm(rec, grid, own)
+    identity, shapes = identity_through_harness(rec, harness)
+    model = fit_through_harness(rec, shapes)
+    runs = [run_of("recorded", {}, rec.events),
+            predict_through_harness(rec, model, harness, {}, "as recorded (fitted)")]
+    runs += [predict_through_harness(rec, model, harness, changed) for changed in points(grid) if changed]
+    return WhatIf(rec, identity, model, runs)

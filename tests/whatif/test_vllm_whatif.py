@@ -1,0 +1,116 @@
+"""`batchtop whatif` over a recording made inside vLLM: batchtop's class inside vLLM 0.32's real
+scheduler under the harness makes the recording (a small pool that preempts, aborts, requests that
+stop early), and the same harness process replays it: as recorded (identity, step for step), and
+with max_num_seqs lowered. One vLLM import for the module. The missing-environment error needs none."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+from whatif_helpers import linear_law, synthetic_recording
+
+from batchtop.engine.whatif import vllm_replay
+from batchtop.engine.whatif.grid import write_runs
+from batchtop.engine.whatif.recording import read_recording
+from batchtop.telemetry import events as ev
+from batchtop.telemetry.recorder import encode_event
+from batchtop.tui.cli import main
+
+LIMITS = {"max_num_seqs": 8, "max_num_batched_tokens": 96, "num_blocks": 33, "block_size": 16}
+LAW = {"law": {"prefill_tokens": 6e-5, "decode_rows": 5e-4, "context_tokens": 2e-6}, "intercept_s": 3e-3}
+
+
+def trace(n: int = 70, seed: int = 5) -> list[dict]:
+    rng = random.Random(seed)
+    t, rows = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(30.0)
+        max_tokens = rng.randint(4, 40)
+        row = {"request_id": f"r{i}", "arrival_s": t, "num_prompt_tokens": rng.randint(8, 120),
+               "max_tokens": max_tokens, "output_len": max_tokens}
+        roll = rng.random()
+        if roll < 0.25:
+            row["output_len"] = rng.randint(1, max_tokens - 1)      # ends on a stop token
+        elif roll < 0.32:
+            row["abort_s"] = t + rng.uniform(0.0, 0.3)
+        rows.append(row)
+    return rows
+
+
+def write(path, header, events) -> str:
+    with open(path, "w") as f:
+        f.write(json.dumps(header) + "\n")
+        f.writelines(encode_event(e) + "\n" for e in events)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    env = vllm_replay.PROJECT_ROOT / vllm_replay.VLLM_ENVS["0.32"]
+    if (env / "UNAVAILABLE").exists():
+        pytest.skip(f"no vLLM 0.32 here: {(env / 'UNAVAILABLE').read_text().strip()}")
+    if not (env / "bin" / "python").exists():
+        pytest.skip(f"no vLLM 0.32 environment at {env} (make setup builds it)")
+    folder = tmp_path_factory.mktemp("vllm-whatif")
+    with vllm_replay.HarnessProcess("0.32") as harness:
+        result = harness.run({"trace": trace(), "limits": LIMITS, "scheduler": "batchtop", "events": True,
+                              "step_time": LAW})
+        path = write(folder / "vllm.jsonl", result["header"],
+                     [ev.event_from_dict(e) for e in result["events"]])
+        rec = read_recording(path)
+        what = vllm_replay.whatif_vllm(rec, {"max_num_seqs": [2]}, harness)
+    return rec, what, folder
+
+
+def test_the_identity_replay_through_the_harness_schedules_every_recorded_step(made):
+    rec, what, _ = made
+    kinds = {type(e) for e in rec.events}
+    assert {ev.RequestPreempted, ev.PrefillChunk, ev.RequestRetired} <= kinds
+    assert {r.reason for r in rec.requests} >= {"stop", "length", "abort"}
+    assert rec.setup.vllm["version"] == "0.32" and rec.setup.assumed == ()
+    assert what.identity.num_steps > 100
+    assert what.identity.first_mismatch is None and what.identity.match_share == 1.0
+
+
+def test_the_fit_recovers_the_harness_law_and_a_lower_max_num_seqs_runs_fewer(made):
+    rec, what, folder = made
+    assert what.model.forward.heldout_mape < 0.02
+    recorded, fitted, lowered = what.runs
+    assert lowered.knobs == {"max_num_seqs": 2}
+    most = {run.label: max(e.num_running for e in run.events if isinstance(e, ev.StepFinished))
+            for run in what.runs}
+    assert most["max_num_seqs=2"] <= 2 < most["recorded"]
+    assert lowered.summary.ttft.p99 > recorded.summary.ttft.p99
+    # the fitted law on the recorded knobs lands near the recording itself
+    assert fitted.summary.span_s == pytest.approx(recorded.summary.span_s, rel=0.05)
+    # --record: the what-if run is a vLLM recording again, under its own knobs
+    (path,) = write_runs(what, str(folder / "what.jsonl"))
+    again = read_recording(path)
+    assert again.setup.vllm["version"] == "0.32" and again.setup.knobs["max_num_seqs"] == 2
+
+
+@pytest.fixture
+def inside_vllm(tmp_path):
+    rec = synthetic_recording(linear_law, num_requests=20)
+
+    def recorded_by(device: str) -> str:
+        inside = dataclasses.replace(rec, header={**rec.header, "device": device})
+        return write(tmp_path / "vllm.jsonl", inside.header, inside.events)
+
+    return recorded_by
+
+
+def test_a_vllm_recording_without_its_environment_is_refused_in_one_line(inside_vllm, monkeypatch, capsys):
+    monkeypatch.setitem(vllm_replay.VLLM_ENVS, "0.32", ".venv-vllm-not-here")
+    assert main(["whatif", inside_vllm("vllm 0.32.1"), "--set", "max_num_seqs=2"]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM 0.32" in err and ".venv-vllm-not-here is not installed" in err and err.count("\n") == 1
+    assert main(["whatif", inside_vllm("vllm 0.29.0"), "--set", "max_num_seqs=2"]) == 2
+    assert "replays vLLM 0.32 and 0.33 only" in capsys.readouterr().err
+    assert main(["whatif", inside_vllm("vllm 0.32.1"), "--set", "batching_mode=static"]) == 2
+    assert "not a knob of vLLM's scheduler" in capsys.readouterr().err
+    tune = ["tune", inside_vllm("vllm 0.32.1"), "--slo", "ttft_p99=1s", "--knob", "max_num_seqs=1..4"]
+    assert main(tune) == 2
+    assert "made inside vLLM" in capsys.readouterr().err
