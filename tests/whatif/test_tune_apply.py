@@ -5,8 +5,7 @@ import threading
 
 import httpx
 import pytest
-from test_bad_input import write
-from whatif_helpers import linear_law, synthetic_recording
+from whatif_helpers import linear_law, synthetic_recording, write_recording
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.tui.cli import main
@@ -24,7 +23,7 @@ def live(tiny):
 
 
 def test_apply_sets_the_knob_live_and_verify_reads_the_live_stream(tmp_path, live, capsys):
-    rec = write(tmp_path / "rec.jsonl", synthetic_recording(linear_law, num_requests=60, rate=60.0))
+    rec = write_recording(tmp_path / "rec.jsonl", synthetic_recording(linear_law, num_requests=60, rate=60.0))
     stop = threading.Event()
 
     def load():
@@ -51,7 +50,7 @@ def test_apply_sets_the_knob_live_and_verify_reads_the_live_stream(tmp_path, liv
 
 
 def test_apply_reports_a_refusal_in_one_line(tmp_path, live, capsys):
-    rec = write(tmp_path / "rec.jsonl", synthetic_recording(linear_law, num_requests=30))
+    rec = write_recording(tmp_path / "rec.jsonl", synthetic_recording(linear_law, num_requests=30))
     assert main(["tune", rec, "--slo", "ttft_p99=10s", "--knob", "max_num_seqs=1..2",
                  "--apply", live.replace(live.rsplit(":", 1)[1], "9")]) == 2
     assert "cannot reach" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Seeded tiny-model recordings for the what-if tests: chunked prefill, preemption, aborts, priority."""
 from __future__ import annotations
 
+import json
 import random
 
 from batchtop.engine.core.config import EngineConfig
@@ -15,7 +16,7 @@ from batchtop.engine.whatif.recording import (
 )
 from batchtop.engine.whatif.replay import run_whatif
 from batchtop.engine.whatif.virtual import PhaseTimes, StepShape
-from batchtop.telemetry.recorder import make_header
+from batchtop.telemetry.recorder import encode_event, make_header
 
 
 def record_engine(loaded, *, steps: int = 300, seed: int = 0, knob_plan=(), abort_share: float = 0.04,
@@ -83,3 +84,10 @@ def linear_law(shape: StepShape) -> PhaseTimes:
     """A known step-time law: 2 ms + 30 us a prefill token + 400 us a decode row + 2 us a context token."""
     forward = 2e-3 + 30e-6 * shape.prefill_tokens + 400e-6 * shape.decode_rows + 2e-6 * shape.context_tokens
     return PhaseTimes(1e-4, 2e-4 + 1e-5 * shape.num_rows, forward, 1e-4, 5e-5, gap_s=3e-4)
+
+
+def write_recording(path, rec, events=None):
+    with open(path, "w") as f:
+        f.write(json.dumps(rec.header) + "\n")
+        f.writelines(encode_event(e) + "\n" for e in (rec.events if events is None else events))
+    return str(path)

@@ -2,21 +2,12 @@
 import dataclasses
 
 import pytest
-from whatif_helpers import linear_law, synthetic_recording
+from whatif_helpers import linear_law, synthetic_recording, write_recording
 
 from batchtop.engine.whatif.recording import read_recording
 from batchtop.engine.whatif.replay import replay_identity
 from batchtop.telemetry import events as ev
-from batchtop.telemetry.recorder import encode_event
 from batchtop.tui.cli import main
-
-
-def write(path, rec, events=None):
-    import json
-    with open(path, "w") as f:
-        f.write(json.dumps(rec.header) + "\n")
-        f.writelines(encode_event(e) + "\n" for e in (rec.events if events is None else events))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +17,7 @@ def rec():
 
 @pytest.fixture
 def good(tmp_path, rec):
-    return write(tmp_path / "good.jsonl", rec)
+    return write_recording(tmp_path / "good.jsonl", rec)
 
 
 def fails(capsys, *argv) -> str:
@@ -39,10 +30,10 @@ def fails(capsys, *argv) -> str:
 def test_a_recording_without_step_timings(tmp_path, rec, capsys):
     untimed = [dataclasses.replace(e, forward_s=0.0) if isinstance(e, ev.StepFinished) else e
                for e in rec.events]
-    path = write(tmp_path / "untimed.jsonl", rec, untimed)
+    path = write_recording(tmp_path / "untimed.jsonl", rec, untimed)
     assert "no timings" in fails(capsys, "whatif", path, "--set", "max_num_seqs=2")
     stepless = [e for e in rec.events if not isinstance(e, ev.StepFinished)]
-    path = write(tmp_path / "nosteps.jsonl", rec, stepless)
+    path = write_recording(tmp_path / "nosteps.jsonl", rec, stepless)
     assert "no StepFinished" in fails(capsys, "whatif", path)
 
 
@@ -72,7 +63,8 @@ def test_tune_refuses_bad_slos_and_ranges(good, capsys):
 
 
 def test_diff_of_two_different_traces(tmp_path, good, capsys):
-    other = write(tmp_path / "other.jsonl", synthetic_recording(linear_law, num_requests=31, seed=4))
+    other_trace = synthetic_recording(linear_law, num_requests=31, seed=4)
+    other = write_recording(tmp_path / "other.jsonl", other_trace)
     assert "different traces" in fails(capsys, "diff", good, other)
 
 
