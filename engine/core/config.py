@@ -1,6 +1,7 @@
 """Engine configuration: one frozen dataclass, validated when built."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -65,6 +66,22 @@ class EngineConfig:
         check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+
+
+def _knobs_of(cls, config: EngineConfig):
+    return cls(**{name: getattr(config, name) for name in KNOBS})
+
+
+# The live knobs' values, one field per row of KNOBS, each defaulting to EngineConfig's start value.
+SchedulerKnobs = dataclasses.make_dataclass(
+    "SchedulerKnobs",
+    [(k.name, k.type, dataclasses.field(default=EngineConfig.__dataclass_fields__[k.name].default))
+     for k in KNOBS.values()],
+    namespace={"of": classmethod(_knobs_of)})
+SchedulerKnobs.__module__ = __name__
+SchedulerKnobs.__doc__ = ("The live knobs' values, one field per row of KNOBS (defaults: EngineConfig's); "
+                          "the engine changes them between steps. `SchedulerKnobs.of(config)` takes them "
+                          "from an EngineConfig.")
 
 
 def check_int(name: str, value, low: int, high: int) -> int:

@@ -1,6 +1,6 @@
 """The embedded engine's live knobs: one table of `Knob` rows (telemetry/protocol/knob.py).
 
-Everything else reads it: `SchedulerKnobs` (the values the scheduler reads) is generated from it,
+Everything else reads it: `SchedulerKnobs` (config.py: the values the scheduler reads) is generated from it,
 EngineConfig checks its fields of these names at start, Engine.validate_knob checks every change
 (so the HTTP API, the dashboard and scenarios get the same refusals and messages), the command-line
 flags take their help from it, the dashboard its keys, prompt and header labels, and docs/server.md's
@@ -42,17 +42,6 @@ LOAD_KNOB_ROWS: dict[str, Knob] = {knob.name: knob for knob in (
 )}
 LABELS = {k.name: k.label for k in (*KNOBS.values(), *LOAD_KNOB_ROWS.values())}
 
-
-
-def _of(cls, config):
-    return cls(**{name: getattr(config, name) for name in KNOBS})
-
-
-SchedulerKnobs = dataclasses.make_dataclass("SchedulerKnobs", [(k.name, k.type) for k in KNOBS.values()],
-                                            namespace={"of": classmethod(_of)})
-SchedulerKnobs.__module__ = __name__
-SchedulerKnobs.__doc__ = ("The live knobs' values, one field per row of KNOBS; the engine changes them "
-                          "between steps. `SchedulerKnobs.of(config)` takes them from an EngineConfig.")
 
 
 def knob(name: str) -> Knob:

@@ -12,7 +12,8 @@ import bisect
 from collections import deque
 
 from .admission import NEXT_STEP, Blocked, WaitClock
-from .knobs import POLICIES, SchedulerKnobs
+from .config import SchedulerKnobs
+from .knobs import POLICIES
 from .kv_cache import KVCacheManager
 from .request import Request, Status
 from .scheduler_output import (
