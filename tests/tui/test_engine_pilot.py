@@ -5,6 +5,8 @@ it, so it is a barrier behind every command queued before it.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from batchtop.engine.core.config import EngineConfig
@@ -136,7 +138,11 @@ async def test_z_cycles_the_scenarios_on_the_live_engine(source):
         await pilot.press("z")                               # the first: static-vs-continuous
         assert "static-vs-continuous" in status(app)
         barrier(source)
-        knobs = source.engine.knobs()
+        knobs = source.loop.call(source.engine.knobs)
+        deadline = time.monotonic() + 20               # a mode change waits for the next batch boundary
+        while knobs["batching_mode"] != "static" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            knobs = source.loop.call(source.engine.knobs)
         assert (knobs["batching_mode"], knobs["max_num_seqs"]) == ("static", 8)
         app.tick()                                           # the model learns the scenario from its event
         # kv-exhaustion: its 40-block pool needs a restart
