@@ -36,7 +36,7 @@ run: setup
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Long reliability runs (docs/reliability.md); `make test` runs bounded versions of each.
 soak: setup

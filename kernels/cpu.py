@@ -12,8 +12,10 @@ How they work and what they measured: docs/kernels.md, "The C++ CPU kernels".
   the same arithmetic as transformers' modules.
 - `argmax_rows`: the greedy sampler's argmax (torch's NaN and -0.0 rules).
 
-The build happens once per CPU, into the torch extensions cache under a name carrying a hash of the
-CPU's instruction-set flags, so no CPU loads a library built for another. A lock left by an
+The build happens once per CPU and checkout, into the torch extensions cache under a name carrying a
+hash of the CPU's instruction-set flags and of this source file's path, so no CPU loads a library built
+for another and two checkouts on one machine never rebuild each other's (torch's build file names the
+source's path). A lock left by an
 interrupted build is broken once untouched for `STALE_LOCK_S`; while a build runs `build_note()`
 says so. `available()` is False where the build fails (said once on stderr; `unavailable_reason()`
 keeps why, `build_error()` the compiler's messages) or with BATCHTOP_CPU_KERNEL=0; callers then use
@@ -67,8 +69,10 @@ def cpu_features() -> str:
 
 
 def extension_name(features: str | None = None) -> str:
-    """The cache key: the extension's name with a hash of the CPU features it is compiled for."""
-    digest = hashlib.sha256((features or cpu_features()).encode()).hexdigest()[:12]
+    """The cache key: the extension's name with a hash of the CPU features it is compiled for and of
+    the source it is compiled from."""
+    key = f"{features or cpu_features()}\n{SOURCE.resolve()}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return f"{EXTENSION}_{digest}"
 
 

@@ -59,6 +59,14 @@ def test_cache_key_carries_the_cpu_features():
     assert cpu.extension_name().startswith(cpu.EXTENSION + "_")
 
 
+def test_two_checkouts_build_into_two_folders(monkeypatch, tmp_path):
+    """torch's build file names the source's path: a second checkout sharing the folder would rebuild
+    the first one's library each time the two alternate."""
+    here = cpu.extension_name()
+    monkeypatch.setattr(cpu, "SOURCE", tmp_path / "other-checkout" / cpu.SOURCE.name)
+    assert cpu.extension_name() != here
+
+
 def test_first_build_is_named_while_it_runs_and_marks_the_features(fresh, capsys):
     fake, build_dir = fresh
     assert cpu.available()

@@ -1,18 +1,11 @@
-"""Fixtures of the /metrics tests: expositions served over HTTP, and one stock vLLM per session.
-
-The stock vLLM (no batchtop scheduler class) starts eager (~25 s here), one OpenMP thread, with a
-small KV pool (6 blocks of 128 tokens, max_model_len 512, 8 rows) so a short load makes requests wait.
-Its whole process group is stopped at the end of the session.
-"""
+"""Fixtures of the /metrics tests: expositions served over HTTP. (The stock vLLM they read is the
+suite's, tests/conftest.py.)"""
 from __future__ import annotations
 
 import http.server
 import threading
 
 import pytest
-from metrics_helpers import skip_without_vllm, stock_vllm_options
-
-STOCK_VLLM_PORT = 8210
 
 
 class TextServer:
@@ -57,17 +50,3 @@ def text_server():
     yield start
     for server in servers:
         server.stop()
-
-
-@pytest.fixture(scope="session")
-def stock_vllm():
-    """A running stock vLLM: (LaunchedServer, url)."""
-    skip_without_vllm()
-    from batchtop.engine.vllm.launch import launch_vllm
-    server = launch_vllm(stock_vllm_options(STOCK_VLLM_PORT))
-    try:
-        server.wait_healthy(timeout=300)
-        yield server, server.url
-    finally:
-        server.stop()
-        assert not server.group_alive(), "vLLM processes left behind"

@@ -1,7 +1,11 @@
-"""How the /metrics tests start a stock vLLM (no batchtop scheduler class)."""
+"""How the tests start a stock vLLM (no batchtop scheduler class): eager (~25 s to start), one OpenMP
+thread, a small KV pool (6 blocks of 128 tokens, max_model_len 512, 8 rows) so a short load makes
+requests wait."""
 from __future__ import annotations
 
 import pytest
+
+STOCK_VLLM_PORT = 8210
 
 
 def stock_vllm_options(port: int, **overrides):

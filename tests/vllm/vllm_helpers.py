@@ -9,7 +9,8 @@ from batchtop.engine.vllm.launch import VllmOptions, vllm_available
 
 PORT = 8110
 EVENTS_PORT = 8111
-STOCK_PORT = 8112
+EVENTS_API_KEY = "vllm-test-key"           # the session server's side endpoint wants it
+AUTH = {"Authorization": f"Bearer {EVENTS_API_KEY}"}
 MAX_NUM_SEQS = 8
 NUM_GPU_BLOCKS = 6          # one of them is vLLM's null block
 MAX_MODEL_LEN = 512

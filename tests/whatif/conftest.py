@@ -1,14 +1,7 @@
-import os
-
 import pytest
+from whatif_helpers import record_engine
 
-# The recordings here need a real engine, not a fast one: torch's own ops serve, so no test waits on a
-# build of the C++ CPU kernels.
-os.environ.setdefault("BATCHTOP_CPU_KERNEL", "0")
-
-from whatif_helpers import record_engine  # noqa: E402
-
-from batchtop.engine.model.loading import load_model  # noqa: E402
+from batchtop.engine.model.loading import load_model
 
 # (step, knob, value): chunked prefill tightened, both preemption modes, a static stretch, the budget.
 KNOB_PLAN = [(20, "long_prefill_token_threshold", 8), (35, "preemption_mode", "retract"),
