@@ -45,11 +45,12 @@ class BatchState:
         self.synced = synced
         self.requests: dict[str, RequestState] = {}
         self.num_snapshots = 0
-        self.pool: tuple[int, int, int] | None = None      # (used, cached, total) blocks, as last seen
+        self.pool: tuple[int, int, int] | None = None     # (used, cached, total) blocks, as last seen
         self._handlers = {
             ev.RequestArrived: self._arrived, ev.RequestAdmitted: self._admitted,
             ev.BlocksAllocated: self._allocated, ev.PrefillChunk: self._chunk,
-            ev.StepPlanned: self._planned, ev.StepFinished: self._finished, ev.RowMoved: self._moved, ev.RequestPreempted: self._evicted,
+            ev.StepPlanned: self._planned, ev.StepFinished: self._finished,
+            ev.RowMoved: self._moved, ev.RequestPreempted: self._evicted,
             ev.RequestRetracted: self._evicted, ev.RequestRetired: self._retired,
             ev.PaddingReleased: self._released, ev.EngineSnapshot: self._snapshot,
             ev.EventsDropped: self._dropped,

@@ -55,7 +55,8 @@ class EngineConfig:
             knob.check(getattr(self, knob.name), self.batch_capacity)
         check_int("block_size", self.block_size, 1, 1024)
         if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+            raise ValueError(f"enable_prefix_caching must be true or false, "
+                             f"got {self.enable_prefix_caching!r}")
         check_int("snapshot_interval_steps", self.snapshot_interval_steps, 0, 10**9)
         check_int("flight_recorder_steps", self.flight_recorder_steps, 0, 1_000_000)
         if self.num_kv_blocks is not None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 # Why a request's uncached full blocks missed (telemetry.events.MISS_REASONS).
-NO_PREFIX, BELOW_BLOCK, EVICTED, PARTIAL, DISABLED = "no_prefix", "below_block", "evicted", "partial", "disabled"
+NO_PREFIX, BELOW_BLOCK, EVICTED, PARTIAL = "no_prefix", "below_block", "evicted", "partial"
+DISABLED = "disabled"
 EVICTED_MEMORY = 65536            # evicted hashes remembered, to tell `evicted` from `no_prefix`
 ROOT = b""                        # the parent hash of a request's first block
 
@@ -211,8 +212,9 @@ class KVCacheManager:
         held = self._blocks.setdefault(request_id, [])
         for block in cached.block_ids:
             self._touch(block)
-        held.extend(cached.block_ids)
-        self._num_registered[request_id] = max(self._num_registered.get(request_id, 0), len(held))
+        if cached.block_ids:                 # a request without blocks: its cached ones are hashed already
+            held.extend(cached.block_ids)
+            self._num_registered[request_id] = len(held)
         new = [self._take_free() for _ in range(num_new)]
         held.extend(new)
         if not held:
@@ -328,17 +330,17 @@ class KVCacheManager:
             if count != ref:
                 problems.append(f"block {block} is held {count} times but counted {ref}")
             if (ref == 0) != (block in self._free):
-                problems.append(f"block {block} has {ref} holders and is {'' if block in self._free else 'not '}"
-                                f"in the free queue")
+                where = "in" if block in self._free else "not in"
+                problems.append(f"block {block} has {ref} holders and is {where} the free queue")
         if any(self._hash_of[block] != h for h, block in self._cached.items()):
             problems.append("the hash map and the blocks' hashes disagree")
         cached_free = sum(1 for block in self._free if self._hash_of[block] is not None)
         if cached_free != self._num_cached_free:
             problems.append(f"{cached_free} cached free blocks counted as {self._num_cached_free}")
-        used = sum(1 for ref in self._ref if ref > 0)
-        if used + cached_free + (len(self._free) - cached_free) != self.num_blocks or used != self.num_used_blocks:
-            problems.append(f"used {used} + cached {cached_free} + empty {len(self._free) - cached_free} blocks "
-                            f"do not make the {self.num_blocks}")
+        used, empty = sum(1 for ref in self._ref if ref > 0), len(self._free) - cached_free
+        if used + cached_free + empty != self.num_blocks or used != self.num_used_blocks:
+            problems.append(f"used {used} + cached {cached_free} + empty {empty} blocks do not make the "
+                            f"{self.num_blocks}")
         return problems
 
     def holders(self) -> set[str]:

@@ -3,6 +3,7 @@ miss, and greedy outputs identical with caching on and off (and to transformers)
 import random
 
 import pytest
+from test_outputs_match_transformers import hf_greedy
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
@@ -10,8 +11,6 @@ from batchtop.engine.core.kv_cache import KVCacheManager, block_hash
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.engine.model.loading import load_model
 from batchtop.telemetry import events as ev
-
-from test_outputs_match_transformers import hf_greedy
 
 BS = 4
 
