@@ -81,15 +81,16 @@ def test_a_shared_system_prompt_is_computed_once(tiny):
     on, off = (run_scenario(scenario, 60, loaded=tiny, enable_prefix_caching=caching)
                for caching in (True, False))
     admitted = first_admissions(on)
-    assert len(admitted) >= 8 and hit_rate(admitted) > 0.7
-    assert {e.miss_reason for e in admitted[1:]} <= {""}, "after the first, every full block hits"
+    assert len(admitted) >= 6 and hit_rate(admitted) > 0.7
+    # after the first, every block of the system prompt hits; the request's own full blocks are new
+    assert all(e.num_hit_blocks == 24 and e.miss_reason in ("", "partial") for e in admitted[1:])
     computed = [sum(e.num_tokens for e in of(events, ev.PrefillChunk)) for events in (on, off)]
     assert computed[0] < 0.3 * computed[1]
 
 
 def test_a_prefix_below_one_block_never_hits_and_says_so(tiny):
-    admitted = first_admissions(run_scenario(SCENARIOS["below-block"], 50, loaded=tiny))
-    assert len(admitted) >= 5 and sum(e.num_cached_tokens for e in admitted) == 0
+    admitted = first_admissions(run_scenario(SCENARIOS["below-block"], 80, loaded=tiny))
+    assert len(admitted) >= 4 and sum(e.num_cached_tokens for e in admitted) == 0
     assert {e.miss_reason for e in admitted[1:]} == {"below_block"}
     assert all(e.num_matched_tokens == 15 for e in admitted[1:])
 
