@@ -105,11 +105,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         prefixes=SharedPrefixes(count=1, num_tokens=15)),
     Scenario(
         "cache-eviction",
-        watch="12 system prompts of 10 blocks each in a pool of 96 blocks: the cache panel's evictions, "
+        watch="12 system prompts of 10 blocks each in a pool of 64 blocks: the cache section's evictions, "
               "hits falling and evicted misses climbing as the pool churns",
         claim="freed blocks stay cached until a new block is needed; when the prefixes outgrow the pool, "
               "the least recently freed are evicted and tomorrow's hit becomes an evicted miss",
-        config={"num_kv_blocks": 96, "max_num_seqs": 8, "max_num_batched_tokens": 512},
+        config={"num_kv_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 512},
         rate=10.0, prompt=LengthDist("uniform", 24.0, 8, 40), output=LengthDist("uniform", 24.0, 8, 40),
         prefixes=SharedPrefixes(count=12, num_tokens=160)),
 )}

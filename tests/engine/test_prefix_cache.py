@@ -146,14 +146,14 @@ def run(loaded, prompts, max_tokens, rng_seed=3, **config):
 def test_greedy_outputs_are_the_same_with_caching_on_and_off(tiny, config):
     rng = random.Random(11)
     vocab = tiny.model.config.vocab_size
-    prompts = shared_prefix_prompts(rng, vocab, 24, 37) + shared_prefix_prompts(rng, vocab, 8, 9)
-    max_tokens = [rng.randint(1, 16) for _ in prompts]
+    prompts = shared_prefix_prompts(rng, vocab, 16, 37) + shared_prefix_prompts(rng, vocab, 6, 9)
+    max_tokens = [rng.randint(1, 10) for _ in prompts]
     on, on_events = run(tiny, prompts, max_tokens, **config)
     off, off_events = run(tiny, prompts, max_tokens, enable_prefix_caching=False, **config)
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     admitted_on = [e for e in on_events if isinstance(e, ev.RequestAdmitted)]
     admitted_off = [e for e in off_events if isinstance(e, ev.RequestAdmitted)]
-    assert sum(e.num_cached_tokens for e in admitted_on) > 20 * 32
+    assert sum(e.num_cached_tokens for e in admitted_on) > 12 * 32
     assert {e.miss_reason for e in admitted_off} == {"disabled"}
     computed = [sum(e.num_tokens for e in events if isinstance(e, ev.PrefillChunk))
                 for events in (on_events, off_events)]
@@ -171,10 +171,10 @@ def test_greedy_outputs_are_the_same_with_caching_on_and_off(tiny, config):
 def test_cached_prefixes_match_transformers_generate(tiny):
     reference = load_model("tiny")
     rng = random.Random(5)
-    prompts = shared_prefix_prompts(rng, tiny.model.config.vocab_size, 10, 33)
+    prompts = shared_prefix_prompts(rng, tiny.model.config.vocab_size, 5, 33)
     prompts += [prompts[0], prompts[0][:32], prompts[0][:33]]     # whole prompt cached; block-aligned
-    outputs, events = run(tiny, prompts, [8] * len(prompts), max_num_seqs=4, num_kv_blocks=100,
+    outputs, events = run(tiny, prompts, [6] * len(prompts), max_num_seqs=4, num_kv_blocks=100,
                           max_num_batched_tokens=48, long_prefill_token_threshold=16)
     for prompt, completion in zip(prompts, outputs):
-        assert completion.token_ids == hf_greedy(reference.model, [prompt], 8)[0]
+        assert completion.token_ids == hf_greedy(reference.model, [prompt], 6)[0]
     assert any(isinstance(e, ev.BlocksCached) for e in events)
