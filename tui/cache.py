@@ -55,6 +55,8 @@ class CacheView:
         return view
 
     def feed_admitted(self, e: RequestAdmitted) -> None:
+        if not e.num_known_tokens:         # a log older than prefix caching: nothing is known
+            return
         self.num_queried_tokens += e.num_known_tokens
         self.num_cached_tokens += e.num_cached_tokens
         self.misses[e.miss_reason] = self.misses.get(e.miss_reason, 0) + 1
