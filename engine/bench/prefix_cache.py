@@ -12,6 +12,7 @@ Writes the section "## Prefix caching in the engine" of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -89,10 +90,11 @@ def section(args, runs) -> str:
     def cells(figures, key, fmt):
         return ", ".join(fmt.format(f[key]) for f in figures)
 
+    kernels = "off (BATCHTOP_CPU_KERNEL=0)" if os.environ.get("BATCHTOP_CPU_KERNEL") == "0" else "on"
     lines = [SECTION, "",
              f"Measured {time.strftime('%Y-%m-%d')} at commit {commit()} on {cpu_name()} with "
              f"`python -m batchtop.engine.bench.prefix_cache --rounds {args.rounds}`: the embedded engine "
-             f"({args.model}, "
+             f"({args.model}, C++ CPU kernels {kernels}, "
              f"float32, max_num_seqs {args.max_num_seqs}, block size 16, its defaults otherwise); "
              f"{args.num_prompts} requests sent at once, prompts of a {args.prefix_len}-token prefix and "
              f"{args.suffix_len} ±50% tokens of their own, {args.output_len} output tokens (EOS ignored). "
