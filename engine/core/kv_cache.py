@@ -318,17 +318,17 @@ class KVCacheManager:
         match the holders, a block both held and free, a hash map that disagrees with the blocks,
         used + cached + empty != total."""
         problems = []
-        counts = [0] * self.num_blocks
+        holders: list[list[str]] = [[] for _ in range(self.num_blocks)]
         for request_id, blocks in self._blocks.items():
             if len(set(blocks)) != len(blocks):
                 problems.append(f"{request_id} holds a block twice")
             for block in blocks:
-                counts[block] += 1
-        if not self.enable_caching and any(c > 1 for c in counts):
+                holders[block].append(request_id)
+        if not self.enable_caching and any(len(ids) > 1 for ids in holders):
             problems.append("a block is shared with caching off")
-        for block, (count, ref) in enumerate(zip(counts, self._ref)):
-            if count != ref:
-                problems.append(f"block {block} is held {count} times but counted {ref}")
+        for block, (ids, ref) in enumerate(zip(holders, self._ref)):
+            if len(ids) != ref:
+                problems.append(f"block {block} is held by {', '.join(ids) or 'nobody'} but counted {ref}")
             if (ref == 0) != (block in self._free):
                 where = "in" if block in self._free else "not in"
                 problems.append(f"block {block} has {ref} holders and is {where} the free queue")
