@@ -223,7 +223,7 @@ def prefix_report(events: list[ev.Event]) -> str:
 
 PREFIX_SCENARIOS = ("shared-system-prompt", "below-block", "cache-eviction")
 REPORT_STEPS = {"static-vs-continuous": 250, "kv-exhaustion": 200, "long-prefill": 120, "alternating": 120,
-                "max-num-seqs": 160, "shared-system-prompt": 200, "below-block": 150, "cache-eviction": 300}
+                "max-num-seqs": 160, "shared-system-prompt": 120, "below-block": 100, "cache-eviction": 200}
 
 
 def main(argv: list[str] | None = None) -> int:
