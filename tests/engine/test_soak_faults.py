@@ -196,10 +196,10 @@ def recompute_ignores_budget(soak, mp):
     scheduler = soak.engine.scheduler
 
     def chunk(original):
-        def bad(request, budget):
+        def bad(request, budget, num_cached=0):
             if request.num_preemptions:
-                return request.num_tokens_to_compute
-            return original(request, budget)
+                return request.num_tokens_to_compute - num_cached
+            return original(request, budget, num_cached)
         return bad
     wrap(mp, scheduler, "_chunk", chunk)
 
