@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchtop.engine.core.kv_cache import NO_LOOKUP
 from batchtop.engine.reliability.invariants import check_invariants
-from batchtop.engine.reliability.soak import Soak, SoakConfig, run_soak
+from batchtop.engine.reliability.soak import Soak, SoakConfig
 
 NUM_REQUESTS = 400
 
@@ -18,8 +19,16 @@ def keep_torch_threads():
 
 
 def test_bounded_soak_holds_every_invariant(keep_torch_threads):
-    report = run_soak(SoakConfig(num_requests=NUM_REQUESTS, seed=1))
-    print(report.text())
+    soak = Soak(SoakConfig(num_requests=NUM_REQUESTS, seed=1))
+    kv, allocate, shared = soak.engine.kv, soak.engine.kv.try_allocate, []
+
+    def counting(request_id, num_total_tokens, cached=NO_LOOKUP):
+        shared.extend(b for b in cached.block_ids if kv._ref[b] > 0)  # already held by another request
+        return allocate(request_id, num_total_tokens, cached)
+    kv.try_allocate = counting
+    report = soak.run()
+    print(report.text(), f"\nblocks shared with a running request at admission: {len(shared)}")
+    assert len(shared) >= 100                                        # 223 at seed 1
     assert report.violations == []
     assert sum(report.finished.values()) == NUM_REQUESTS
     assert report.finished["abort"] == sum(n for kind, n in report.aborts.items() if kind != "finished")
