@@ -10,7 +10,7 @@ import argparse
 
 from batchtop.engine.core.batch import LAYOUTS
 from batchtop.engine.core.config import DTYPES, EngineConfig
-from batchtop.engine.core.knobs import KNOBS, POLICIES
+from batchtop.engine.core.knobs import KNOBS, POLICIES, START_KNOBS
 from batchtop.engine.model import CUDA_GRAPH_MODES
 from batchtop.kernels import BACKENDS
 
@@ -29,6 +29,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-cache-mb", type=float, default=DEFAULT.kv_cache_mb, help="KV pool size in MiB")
     kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--block-size", type=int, default=DEFAULT.block_size, help="tokens per KV block")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=DEFAULT.enable_prefix_caching, help=START_KNOBS["enable_prefix_caching"].help)
     g.add_argument("--policy", choices=POLICIES, default=DEFAULT.policy)
     for name in ("preemption_mode", "batching_mode"):
         g.add_argument(f"--{name.replace('_', '-')}", choices=KNOBS[name].choices,
@@ -50,6 +52,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb, policy=args.policy,
         preemption_mode=args.preemption_mode, batching_mode=args.batching_mode,
         static_batch_size=args.static_batch_size, layout=args.layout,

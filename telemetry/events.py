@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 # 2: named fields, row kinds, blocks, snapshots, admission, failed steps, graph padding
-SCHEMA_VERSION = 2
+# 3: prefix caching: cached tokens and the miss reason at admission, cached and evicted blocks, the
+#    pool's cached (evictable) blocks
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,8 +45,9 @@ class StepPlanned(Event):
     token_budget: int            # max_num_batched_tokens in force this step
     num_running: int
     num_waiting: int
-    kv_blocks_used: int
+    kv_blocks_used: int          # held by requests (a shared block once)
     kv_blocks_total: int
+    kv_blocks_cached: int = 0    # free but holding a cached prefix (evictable); free = total - used - cached
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +66,7 @@ class StepFinished(Event):
     sample_s: float
     update_s: float
     num_padded_tokens: int = 0   # tokens computed only to fill a replayed CUDA graph (one per padding row)
+    kv_blocks_cached: int = 0    # as StepPlanned's
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,10 +82,21 @@ class RequestAdmitted(Event):
     """Moved from waiting to running, into batch row `slot`."""
     request_id: str
     slot: int
-    num_computed_tokens: int     # > 0 never for recompute; kept for future prefix reuse
+    num_computed_tokens: int     # at admission: its cached tokens
     resumed: bool                # True when it had been preempted or retracted before
     wait_reasons: tuple[str, ...] = ()   # this wait in the queue split by WAIT_REASONS (non-zero ones)
     wait_s: tuple[float, ...] = ()       # seconds per entry of wait_reasons; they sum to the wait
+    # The prefix cache. Its full blocks before the last known token could hit; the cached ones are
+    # shared; the rest missed for `miss_reason` (MISS_REASONS; "" when no full block missed: the last
+    # partial block is never cached and is no miss).
+    num_known_tokens: int = 0    # prompt + output tokens at admission: the cache's query
+    num_cached_tokens: int = 0
+    num_full_blocks: int = 0
+    num_hit_blocks: int = 0
+    miss_reason: str = ""
+    num_matched_tokens: int = 0  # below_block: tokens in common with the closest cached first block
+    evicted_ago_s: float = 0.0   # evicted: seconds since the missing block was evicted
+    prefix_id: str = ""          # the request's first full block's hash (short hex); "" without one
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +116,22 @@ class BlocksAllocated(Event):
     request_id: str
     num_new_blocks: int
     num_blocks: int              # held now
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlocksCached(Event):
+    """Full blocks of the request's computed tokens became findable in the prefix cache."""
+    request_id: str
+    prefix_id: str
+    num_new_blocks: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlocksEvicted(Event):
+    """Cached free blocks were taken for new ones this step, least recently freed first; one entry per
+    block: its id and whose prefix (first block's hash) it held."""
+    block_ids: tuple[int, ...]
+    prefix_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,6 +285,7 @@ class EngineSnapshot(Event):
     max_tokens: tuple[int, ...]
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_blocks_cached: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,6 +307,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         FirstToken, RequestRetired, RowMoved, BatchRebuilt, RequestPreempted,
         RequestRetracted, KnobChanged, CommandRefused, EnginePaused, EngineResumed,
         EventsDropped, BlocksAllocated, PaddingReleased, AdmissionBlocked, EngineSnapshot, StepFailed,
+        BlocksCached, BlocksEvicted,
     )
 }
 
@@ -286,6 +319,12 @@ ROW_KINDS = ("prefill", "recompute", "decode", "padding")
 # next_step: the queue was empty at the last decision (it arrived during a step).
 WAIT_REASONS = ("budget", "max_num_seqs", "kv", "static_batch", "dynamic_batch", "preemption", "paused",
                 "next_step")
+
+# Why a request's uncached full blocks missed the prefix cache (RequestAdmitted.miss_reason).
+# no_prefix: its first block was never seen; below_block: it shares less than a block with a cached
+# prefix; evicted: the missing block was cached and has been evicted; partial: k of n full blocks hit,
+# then a block never seen; disabled: prefix caching is off.
+MISS_REASONS = ("no_prefix", "below_block", "evicted", "partial", "disabled")
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 

@@ -28,7 +28,7 @@ from .bus import EventBus, EventLog, Subscription
 from .events import SCHEMA_VERSION, Event, event_from_dict
 
 HEADER_KIND = "Header"
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1, SCHEMA_VERSION})
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, SCHEMA_VERSION})
 
 # Version 1 lacked: StepPlanned's recompute split (its prefill counted recompute), PrefillChunk's
 # recompute flag, RequestAdmitted's / RequestRetired's wait split, RequestRetired's num_blocks and
@@ -41,11 +41,27 @@ _V1_DEFAULTS = {
     "RequestAdmitted": {"wait_reasons": [], "wait_s": []},
     "RequestRetired": {"num_blocks": 0, "wait_reasons": [], "wait_s": []},
 }
+# Version 2 lacked prefix caching (the engine had none): nothing cached, and a RequestAdmitted's
+# known tokens are unknown (0); the kinds added in version 3 never occur in an older log.
+_V2_DEFAULTS = {
+    "StepPlanned": {"kv_blocks_cached": 0},
+    "StepFinished": {"kv_blocks_cached": 0},
+    "EngineSnapshot": {"kv_blocks_cached": 0},
+    "RequestAdmitted": {"num_known_tokens": 0, "num_cached_tokens": 0, "num_full_blocks": 0,
+                        "num_hit_blocks": 0, "miss_reason": "", "num_matched_tokens": 0,
+                        "evicted_ago_s": 0.0, "prefix_id": ""},
+}
 
 
 def upgrade_v1(data: dict) -> dict:
-    """A version-1 event dict in the current schema."""
+    """A version-1 event dict in the version-2 schema."""
     defaults = _V1_DEFAULTS.get(data.get("kind"))
+    return {**defaults, **data} if defaults else data
+
+
+def upgrade_v2(data: dict) -> dict:
+    """A version-2 event dict in the current schema."""
+    defaults = _V2_DEFAULTS.get(data.get("kind"))
     return {**defaults, **data} if defaults else data
 
 
@@ -69,6 +85,8 @@ def decode_event(text: str | bytes, schema_version: int = SCHEMA_VERSION) -> Eve
         raise ValueError(f"an event is a JSON object, got {type(data).__name__}")
     if schema_version == 1:
         data = upgrade_v1(data)
+    if schema_version <= 2:
+        data = upgrade_v2(data)
     return event_from_dict(data)
 
 

@@ -13,7 +13,9 @@ What each event does (docs/events.md):
   that step was a decode row, which computed one token;
 - RowMoved: a new slot; RequestPreempted / RequestRetracted: back to the queue, nothing computed,
   no blocks;
-- RequestRetired: gone, unless it keeps blocks (a static batch's padding row) until PaddingReleased.
+- RequestRetired: gone, unless it keeps blocks (a static batch's padding row) until PaddingReleased;
+- StepPlanned / StepFinished / EngineSnapshot: the pool split into used, cached (evictable) and
+  free blocks (`pool`), which must add up to the total.
 """
 from __future__ import annotations
 
@@ -43,10 +45,12 @@ class BatchState:
         self.synced = synced
         self.requests: dict[str, RequestState] = {}
         self.num_snapshots = 0
+        self.pool: tuple[int, int, int] | None = None     # (used, cached, total) blocks, as last seen
         self._handlers = {
             ev.RequestArrived: self._arrived, ev.RequestAdmitted: self._admitted,
             ev.BlocksAllocated: self._allocated, ev.PrefillChunk: self._chunk,
-            ev.StepFinished: self._finished, ev.RowMoved: self._moved, ev.RequestPreempted: self._evicted,
+            ev.StepPlanned: self._planned, ev.StepFinished: self._finished,
+            ev.RowMoved: self._moved, ev.RequestPreempted: self._evicted,
             ev.RequestRetracted: self._evicted, ev.RequestRetired: self._retired,
             ev.PaddingReleased: self._released, ev.EngineSnapshot: self._snapshot,
             ev.EventsDropped: self._dropped,
@@ -74,7 +78,11 @@ class BatchState:
         r = self.requests[e.request_id]
         r.num_computed_tokens, r.chunk_step = e.num_computed_tokens, e.step
 
+    def _planned(self, e: ev.StepPlanned) -> None:
+        self.pool = (e.kv_blocks_used, e.kv_blocks_cached, e.kv_blocks_total)
+
     def _finished(self, e: ev.StepFinished) -> None:
+        self.pool = (e.kv_blocks_used, e.kv_blocks_cached, e.kv_blocks_total)
         requests, step = self.requests, e.step
         for request_id in e.sampled_request_ids:
             r = requests.get(request_id)
@@ -115,12 +123,22 @@ class BatchState:
             for request_id, status, slot, prompt, output, computed, blocks, max_tokens in zip(
                 e.request_ids, e.statuses, e.slots, e.num_prompt_tokens, e.num_output_tokens,
                 e.num_computed_tokens, e.num_blocks, e.max_tokens)}
+        self.pool = (e.kv_blocks_used, e.kv_blocks_cached, e.kv_blocks_total)
         self.synced = True
         self.num_snapshots += 1
 
     def _dropped(self, e: ev.EventsDropped) -> None:
         self.synced = False
         self.requests = {}
+
+    def pool_problems(self) -> list[str]:
+        """What breaks the pool's split, in words: used + cached beyond the total, a negative count."""
+        if self.pool is None:
+            return []
+        used, cached, total = self.pool
+        if min(used, cached) < 0 or used + cached > total:
+            return [f"used {used} + cached {cached} blocks exceed the {total}"]
+        return []
 
     def keys(self) -> dict[str, tuple]:
         return {request_id: r.key() for request_id, r in self.requests.items()}

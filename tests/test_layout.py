@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"engine": "batchtop.engine", "kernels": "batchtop.kernels", "telemetry": "batchtop.telemetry",
             "tui": "batchtop.tui"}
 # Code that runs inside vLLM's engine process: batchtop.telemetry and what vLLM installs, nothing else.
-VLLM_GUESTS = ("scheduler", "observer", "slots", "control", "endpoint", "harness", "check")
+VLLM_GUESTS = ("scheduler", "observer", "prefix_cache", "slots", "control", "endpoint", "harness", "check")
 
 
 def module_name(path: Path) -> str:

@@ -25,6 +25,8 @@ from batchtop.telemetry.events import (
     AdmissionBlocked,
     BatchRebuilt,
     BlocksAllocated,
+    BlocksCached,
+    BlocksEvicted,
     CommandRefused,
     EnginePaused,
     EngineResumed,
@@ -48,6 +50,8 @@ from batchtop.telemetry.events import (
 from batchtop.telemetry.export import wait_line
 from batchtop.telemetry.metrics import percentile
 from batchtop.telemetry.rates import WindowedRates
+
+from .cache import CacheView
 
 MAX_LIVE_REQUESTS = 4096        # waiting + running tracked one by one; the oldest never-admitted go first
 MAX_RETIRED_REQUESTS = 256      # finished requests kept for the table and their timelines
@@ -95,6 +99,8 @@ class RequestView:
     ttft_s: float | None = None
     num_preemptions: int = 0
     num_blocks: int = 0
+    num_cached_tokens: int = 0           # the prefix cache's tokens at its last admission
+    miss_reason: str = ""                # why the rest of its full blocks missed ("" none missed)
     last_chunk_step: int = -1
     last_sample_step: int = -1
     wait_s: dict = field(default_factory=dict)   # finished waits by reason (exact, from RequestAdmitted)
@@ -133,6 +139,8 @@ class HistoryPoint:
     ttft_p99: float | None
     tpot_p50: float | None
     tpot_p99: float | None
+    hit_tok_pct: float | None = None     # prefix-cache hit rates over the admissions of the last 10 s
+    hit_req_pct: float | None = None
 
 
 @dataclass(slots=True)
@@ -154,6 +162,7 @@ class DashboardModel:
     num_running: int = 0
     num_waiting: int = 0
     kv_used: int = 0
+    kv_cached: int = 0                   # free blocks holding a cached prefix (evictable)
     kv_total: int = 0
     budget_used: int = 0
     token_budget: int = 0
@@ -178,6 +187,7 @@ class DashboardModel:
         self.ttft_samples: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)   # (t, seconds)
         self.tpot_samples: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)
         self.rates = WindowedRates(RATE_WINDOW_S)
+        self.cache = CacheView()
         self.wait_clock = WaitClock()
         self._bucket_end: float | None = None
         self._bucket_out = 0
@@ -193,6 +203,7 @@ class DashboardModel:
             EventsDropped: self._on_dropped, BatchRebuilt: None, StepFailed: self._on_step_failed,
             BlocksAllocated: self._on_blocks, PaddingReleased: self._on_padding_released,
             AdmissionBlocked: self._on_blocked, EngineSnapshot: self._on_snapshot,
+            BlocksCached: self.cache.feed_cached, BlocksEvicted: self.cache.feed_evicted,
         }
 
     # -- folding ---------------------------------------------------------------------------
@@ -224,11 +235,13 @@ class DashboardModel:
     def _close_buckets(self, t: float) -> None:
         """Emit one point per finished bucket up to `t`; a long gap emits zero-rate points."""
         while t >= self._bucket_end:
+            hit_tok, hit_req = self.cache.hit_rates(self._bucket_end)
             self.history.append(HistoryPoint(
                 self._bucket_end, self._bucket_out / HISTORY_BUCKET_S, self._bucket_in / HISTORY_BUCKET_S,
                 self.num_running, self.num_waiting, self.kv_pct,
                 *_p50_p99(self.ttft_samples, self._bucket_end),
-                *_p50_p99(self.tpot_samples, self._bucket_end)))
+                *_p50_p99(self.tpot_samples, self._bucket_end),
+                _pct(hit_tok), _pct(hit_req)))
             self._bucket_out = self._bucket_in = 0
             self._bucket_end += HISTORY_BUCKET_S
             if t - self._bucket_end > HISTORY_BUCKET_S * MAX_HISTORY:
@@ -254,7 +267,7 @@ class DashboardModel:
 
     def _on_planned(self, e: StepPlanned) -> None:
         self.num_running, self.num_waiting = e.num_running, e.num_waiting
-        self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
+        self.kv_used, self.kv_cached, self.kv_total = e.kv_blocks_used, e.kv_blocks_cached, e.kv_blocks_total
         self.budget_used = e.prefill_tokens + e.recompute_tokens + e.decode_tokens
         self.token_budget = e.token_budget
         self.num_padding_rows = e.num_padding_rows
@@ -271,7 +284,7 @@ class DashboardModel:
         self.num_graph_padding_rows = e.num_padded_tokens
         self.graph_padding_seen = self.graph_padding_seen or e.num_padded_tokens > 0
         self.num_running, self.num_waiting = e.num_running, e.num_waiting
-        self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
+        self.kv_used, self.kv_cached, self.kv_total = e.kv_blocks_used, e.kv_blocks_cached, e.kv_blocks_total
         step = e.step
         live = self.live
         for request_id in e.sampled_request_ids:
@@ -300,6 +313,8 @@ class DashboardModel:
         req = self._request(e.request_id)
         req.state, req.slot = "running", e.slot
         req.num_computed_tokens = e.num_computed_tokens
+        req.num_cached_tokens, req.miss_reason = e.num_cached_tokens, e.miss_reason
+        self.cache.feed_admitted(e)
         req.wait_mark = None
         for reason, seconds in zip(e.wait_reasons, e.wait_s):
             req.wait_s[reason] = req.wait_s.get(reason, 0.0) + seconds
@@ -309,6 +324,8 @@ class DashboardModel:
             self.padding_slots.remove(e.slot)
         waited = f" after waiting {wait_line(dict(zip(e.wait_reasons, e.wait_s)))}" if e.wait_s else ""
         req.note(e.step, e.t, f"{'resumed' if e.resumed else 'admitted'} into slot {e.slot}{waited}")
+        if e.num_known_tokens:
+            req.note(e.step, e.t, cache_line(e))
 
     def _on_blocks(self, e: BlocksAllocated) -> None:
         self._request(e.request_id).num_blocks = e.num_blocks
@@ -342,7 +359,7 @@ class DashboardModel:
                 req.wait_mark = None
             elif req.wait_mark is None:
                 req.wait_mark = mark
-        self.kv_used, self.kv_total = e.kv_blocks_used, e.kv_blocks_total
+        self.kv_used, self.kv_cached, self.kv_total = e.kv_blocks_used, e.kv_blocks_cached, e.kv_blocks_total
         self.message = f"state resynchronised from a snapshot ({e.cause}) at step {e.step}"
 
     def waited(self, req: RequestView, now: float) -> dict[str, float]:
@@ -538,6 +555,25 @@ class DashboardModel:
         return out
 
 
+def cache_line(e: RequestAdmitted) -> str:
+    """What the prefix cache gave an admitted request, and why the rest missed, in words."""
+    text = f"prefix cache: {e.num_cached_tokens}/{e.num_known_tokens} tokens cached"
+    if e.num_full_blocks:
+        text += f" ({e.num_hit_blocks}/{e.num_full_blocks} full blocks)"
+    reason = e.miss_reason
+    if reason == "below_block":
+        text += f"; missed: below_block ({e.num_matched_tokens} tokens shared, less than a block)"
+    elif reason == "evicted":
+        text += f"; missed: evicted {fmt_seconds(e.evicted_ago_s)} ago"
+    elif reason:
+        text += f"; missed: {reason}"
+    return text
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else 100.0 * value
+
+
 def _p50_p99(samples, end: float) -> tuple[float | None, float | None]:
     """Percentiles of the samples taken in the LATENCY_WINDOW_S before `end`."""
     xs = sorted(v for t, v in samples if end - LATENCY_WINDOW_S < t <= end)
@@ -546,6 +582,8 @@ def _p50_p99(samples, end: float) -> tuple[float | None, float | None]:
     return percentile(xs, 50), percentile(xs, 99)
 
 
+SHORT_MISSES = {"no_prefix": "new", "below_block": "<blk", "evicted": "evict", "partial": "part",
+                "disabled": "off", "": ""}
 SHORT_REASONS = {"budget": "budget", "max_num_seqs": "seqs", "kv": "kv", "static_batch": "static",
                  "dynamic_batch": "dyn", "preemption": "preempt", "paused": "paused", "next_step": "step"}
 

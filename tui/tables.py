@@ -12,7 +12,7 @@ from textual.widgets import Static
 
 from batchtop.telemetry.events import BatchRebuilt, Event, StepFinished, StepPlanned
 
-from .model import SHORT_REASONS, DashboardModel, RequestView, fmt_seconds
+from .model import SHORT_MISSES, SHORT_REASONS, DashboardModel, RequestView, fmt_seconds
 
 STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2}
 STATE_STYLE = {"running": "green", "preempted": "red", "waiting": "yellow", "abort": "bright_red"}
@@ -49,12 +49,19 @@ def waited_cell(req: RequestView, now: float, model: DashboardModel) -> str:
     return f"{fmt_seconds(total)} {SHORT_REASONS.get(main, main)}"
 
 
+def cached_cell(req: RequestView) -> str:
+    """Cached tokens and the miss reason, short: "384 part"."""
+    miss = SHORT_MISSES.get(req.miss_reason, req.miss_reason)
+    return f"{req.num_cached_tokens} {miss}".strip()
+
+
 COLUMNS = (
     Column("id", 8, lambda r, now, m: _natural(r.request_id)),
     Column("state", 9, lambda r, now, m: (STATE_ORDER.get(r.state, 3), r.state)),
     Column("slot", 4, lambda r, now, m: r.slot if r.slot >= 0 else None),
     Column("prompt", 6, lambda r, now, m: r.num_prompt_tokens),
     Column("comp", 6, lambda r, now, m: r.num_computed_tokens),
+    Column("cached", 10, lambda r, now, m: r.num_cached_tokens),
     Column("out", 5, lambda r, now, m: r.num_output_tokens),
     Column("kv", 4, lambda r, now, m: r.kv_blocks()),
     Column("waited", 13, _waited),
@@ -69,7 +76,8 @@ def cell_values(req: RequestView, now: float, model: DashboardModel) -> list[str
     return [
         req.request_id, req.state, str(req.slot) if req.slot >= 0 else "-",
         "-" if req.num_prompt_tokens is None else str(req.num_prompt_tokens),
-        str(req.num_computed_tokens), str(req.num_output_tokens), "-" if kv is None else str(kv),
+        str(req.num_computed_tokens), cached_cell(req), str(req.num_output_tokens),
+        "-" if kv is None else str(kv),
         waited_cell(req, now, model), fmt_seconds(req.ttft_s), fmt_seconds(req.age_s(now)),
         str(req.num_preemptions),
     ]

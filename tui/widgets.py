@@ -142,6 +142,44 @@ class SlotGrid(Static):
         return "\n".join(lines)
 
 
+def split_bar(used: int, cached: int, total: int, width: int) -> Text:
+    """The pool as one bar: used (held by requests), cached (free, holding a prefix), free."""
+    if total <= 0:
+        return Text("·" * width, style="bright_black")
+    n_used = round(width * used / total)
+    n_cached = min(width - n_used, round(width * cached / total))
+    text = Text("█" * n_used, style="magenta")
+    text.append("▒" * n_cached, style="blue")
+    text.append("·" * (width - n_used - n_cached), style="bright_black")
+    return text
+
+
+def cache_section(model: DashboardModel, width: int, rows: int) -> Text | None:
+    """The prefix cache: hit rates, the most shared prefixes, the recent evictions (None before any
+    request queried it)."""
+    cache = model.cache
+    if not cache.num_queried_tokens or rows < 2:
+        return None
+    now = model.last_t or 0.0
+    tok, req = cache.hit_rates(now)
+    total = cache.num_cached_tokens / cache.num_queried_tokens
+    text = Text("\nprefix cache ", style="bold")
+    window = f"{tok * 100:.0f}% tok {req * 100:.0f}% req (10 s), " if tok is not None else ""
+    text.append(f"{window}{total * 100:.0f}% of all tokens; {cache.num_evicted_blocks} evicted")
+    top = [p for p in cache.top_prefixes(max(0, rows - 3)) if p.num_sharing]
+    if top:
+        text.append(f"\n{'prefix':<12} {'reqs':>5} {'saved':>7} {'blocks':>6} {'last':>6}",
+                    style="bright_black")
+        for p in top:
+            text.append(f"\n{p.prefix_id:<12} {p.num_sharing:>5} {p.tokens_saved:>7} {p.num_blocks:>6} "
+                        f"{fmt_seconds(max(0.0, now - p.last_use_t)):>6}")
+    if cache.evictions:
+        last = cache.evictions[-1]
+        prefixes = ", ".join(last.prefix_ids[:3]) + (" …" if len(last.prefix_ids) > 3 else "")
+        text.append(f"\nevicted {last.num_blocks} at step {last.step}: {prefixes}"[: width + 1], style="blue")
+    return text
+
+
 class KvPanel(Static):
     """The KV pool: gauge, history sparkline, blocks held per running request."""
 
@@ -149,15 +187,22 @@ class KvPanel(Static):
         model: DashboardModel = self.app.model
         width = max(10, self.size.width)
         text = Text("KV pool ", style="bold")
-        text.append(f"{model.kv_used}/{model.kv_total} blocks {model.kv_pct:.0f}%\n")
-        text.append_text(bar(model.kv_pct / 100, width, "magenta"))
+        text.append(f"{model.kv_used}/{model.kv_total} blocks {model.kv_pct:.0f}%")
+        if model.kv_cached:
+            text.append(f" +{model.kv_cached} cached", style="blue")
+        text.append("\n")
+        text.append_text(split_bar(model.kv_used, model.kv_cached, model.kv_total, width))
         text.append("\n")
         text.append(sparkline([p.kv_pct for p in model.history], width), style="magenta")
         text.append("\nbudget ", style="bold")
         text.append(f"{model.budget_used}/{model.token_budget} tok\n")
         text.append_text(bar(model.budget_pct / 100, width, "cyan"))
-        blocks = model.running_blocks()
         rows = max(0, self.size.height - 6)
+        cache_lines = cache_section(model, width, rows // 2)
+        if cache_lines:
+            text.append_text(cache_lines)
+            rows -= cache_lines.plain.count("\n")
+        blocks = model.running_blocks()
         if blocks and rows:
             text.append("\nblocks per running request", style="bold")
             top = max(b for _, b in blocks) or 1

@@ -25,6 +25,7 @@ from batchtop.telemetry.rows import RowMove
 
 if TYPE_CHECKING:
     from .kv_cache import KVCacheManager
+    from .request import Request
     from .scheduler_output import Row, SchedulerOutput
 
 LAYOUTS = ("condense", "indexmap", "gather")
@@ -178,18 +179,21 @@ class PersistentBatch:
 
     def apply(self, plan: SchedulerOutput, kv: KVCacheManager) -> BatchStep:
         """Follow one plan: the rows in `plan.left` leave, the admitted join, the layout repairs; then the
-        block tables of the plan's rows catch up with `kv`, and the rows are put in batch order."""
+        block tables of the plan's rows (and of admitted requests without a row, which may hold cached
+        blocks) catch up with `kv`, and the rows are put in batch order."""
         slot_of = self.slot_of
         left_slots = [slot_of.get(gone.request.request_id, -1) for gone in plan.left]
         update = self.update([gone.request.request_id for gone in plan.left],
                              [(r.request_id, r.prompt_token_ids + r.output_token_ids) for r in plan.admitted])
-        grown = self._sync_block_tables(plan.rows, kv)
+        with_rows = {id(row.request) for row in plan.rows}
+        grown = self._sync_block_tables([row.request for row in plan.rows]
+                                        + [r for r in plan.admitted if id(r) not in with_rows], kv)
         return BatchStep(update, left_slots, grown, *self._batch_order(plan.rows))
 
-    def _sync_block_tables(self, rows: list[Row], kv: KVCacheManager) -> list[tuple[str, int, int]]:
+    def _sync_block_tables(self, requests: list[Request], kv: KVCacheManager) -> list[tuple[str, int, int]]:
         grown = []
-        for row in rows:
-            request_id = row.request.request_id
+        for request in requests:
+            request_id = request.request_id
             block_ids = kv.block_ids(request_id)
             num_new = self.sync_blocks(request_id, block_ids)
             if num_new:

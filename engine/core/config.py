@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 0     # 0: no per-request cap within the budget
     block_size: int = 16
+    enable_prefix_caching: bool = True        # vLLM's default: full blocks cached and shared by prefix
     num_kv_blocks: int | None = None          # wins over kv_cache_mb when given
     kv_cache_mb: float = 1024.0
     max_model_len: int | None = None          # default: the model's context length
@@ -53,6 +54,9 @@ class EngineConfig:
         for knob in KNOBS.values():                # the live knobs' start values, as set_knob checks them
             knob.check(getattr(self, knob.name), self.batch_capacity)
         check_int("block_size", self.block_size, 1, 1024)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, "
+                             f"got {self.enable_prefix_caching!r}")
         check_int("snapshot_interval_steps", self.snapshot_interval_steps, 0, 10**9)
         check_int("flight_recorder_steps", self.flight_recorder_steps, 0, 1_000_000)
         if self.num_kv_blocks is not None:

@@ -86,7 +86,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
         block_bytes = ModelDims.of(model_config).kv_bytes_per_token(dtype) * config.block_size
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_mb * 2**20 // block_bytes))
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerKnobs.of(config), self.kv, config.policy,
                                    frozenset(self.loaded.eos_token_ids))
         self._pending_batching_mode: tuple[str, str] | None = None   # (mode, source) until a batch boundary

@@ -43,9 +43,19 @@ LOAD_KNOB_ROWS: dict[str, Knob] = {knob.name: knob for knob in (
 LABELS = {k.name: k.label for k in (*KNOBS.values(), *LOAD_KNOB_ROWS.values())}
 
 
+AT_START = "engine start"    # a START_KNOBS row's `applies`: no live change
+# Settings fixed when the engine starts (EngineConfig fields and flags), listed in the same table.
+START_KNOBS: dict[str, Knob] = {knob.name: knob for knob in (
+    Knob("enable_prefix_caching", str, "full blocks of computed tokens are cached and shared by later "
+         "requests with the same prefix (--enable-prefix-caching / --no-enable-prefix-caching)", "prefix",
+         choices=("true", "false"), applies=AT_START),
+)}
+
 
 def knob(name: str) -> Knob:
-    """The knob called `name`; ValueError listing the knobs otherwise."""
+    """The live knob called `name`; ValueError listing the knobs otherwise."""
+    if name in START_KNOBS:
+        raise ValueError(f"{name} is set when the engine starts, not live")
     return lookup(KNOBS, name)
 
 
@@ -53,5 +63,5 @@ def markdown_table() -> str:
     """The knob table of docs/server.md."""
     rows = ["| knob | label | values | applies | dashboard | meaning |", "|---|---|---|---|---|---|"]
     rows += [f"| `{k.name}` | {k.label} | {k.describe()} | {k.applies} | {'yes' if k.dashboard else 'no'} | "
-             f"{k.help} |" for k in KNOBS.values()]
+             f"{k.help} |" for k in (*KNOBS.values(), *START_KNOBS.values())]
     return "\n".join(rows)

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable
 
-from batchtop.engine.workload.arrivals import check_load_knob, synthetic_prompt
+from batchtop.engine.workload.arrivals import check_load_knob, item_prompt, synthetic_prompt
 from batchtop.telemetry.protocol.commands import CommandQueue
 
 from .engine import Engine, RequestOutput
@@ -254,9 +254,7 @@ class EngineLoop:
         if self.load is None or self.commands.paused:
             return
         for item in self.load.due(time.monotonic() - self._started_at):
-            prompt = item.prompt
-            if prompt is None:
-                prompt = synthetic_prompt(item.prompt_tokens, self._load_rng)
+            prompt = item_prompt(item, self._load_rng)
             exact = item.output_tokens is not None
             sampling = SamplingParams(max_tokens=item.output_tokens or 256, ignore_eos=exact)
             try:

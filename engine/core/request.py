@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .kv_cache import CacheLookup
 from .sampling import SamplingParams
 
 
@@ -31,6 +32,8 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0   # tokens computed again after preemptions
+    # the prefix cache at the last admission: its tokens counted as computed, and why the rest missed
+    cache: CacheLookup | None = None
     wait_mark: object = None         # the scheduler's WaitClock reading when it last joined the queue
     # its last wait by reason: (reasons, seconds), set when it leaves the queue
     wait_split: tuple = ((), ())
@@ -47,6 +50,15 @@ class Request:
     def num_tokens(self) -> int:
         """Known tokens: the prompt plus everything generated so far."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens the prefix cache gave it at its last admission."""
+        return self.cache.num_cached_tokens if self.cache is not None else 0
 
     @property
     def num_tokens_to_compute(self) -> int:

@@ -151,8 +151,17 @@ class Scheduler:
         return [LeftBatch(request, PADDING_RELEASED,
                           self.kv.free(request.request_id)) for request in released]
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        num_tokens = min(request.num_tokens_to_compute, budget)
+    def _take_cached(self, request: Request, cached) -> None:
+        """Admission: the cached prefix counts as computed (a preempted request computes less again)."""
+        request.cache = cached
+        request.num_computed_tokens = cached.num_cached_tokens
+        if request.num_preemptions:
+            request.num_recomputed_tokens -= cached.num_cached_tokens
+
+    def _chunk(self, request: Request, budget: int, num_cached: int = 0) -> int:
+        """Tokens the request computes this step: what it lacks (past `num_cached`), within the budget
+        and the per-request threshold."""
+        num_tokens = min(request.num_tokens_to_compute - num_cached, budget)
         threshold = self.knobs.long_prefill_token_threshold
         return min(num_tokens, threshold) if threshold > 0 else num_tokens
 
@@ -193,17 +202,20 @@ class Scheduler:
             if len(self.running) >= cap:
                 return self._blocked("max_num_seqs" if continuous else "static_batch", limit=cap)
             request = self.waiting[0]
+            cached = self.kv.lookup(request.request_id, request.all_token_ids)
+            num_cached = cached.num_cached_tokens
             if continuous and budget <= 0:
                 return self._blocked("budget", tokens_left=budget,
-                                     tokens_needed=self._chunk(request, 1 << 30))
-            num_tokens = self._chunk(request, budget)
+                                     tokens_needed=self._chunk(request, 1 << 30, num_cached))
+            num_tokens = self._chunk(request, budget, num_cached)
             reserve = self._kv_reserve(request)
-            if not self.kv.can_allocate(request.request_id, num_tokens, reserve):
+            if not self.kv.can_allocate(request.request_id, num_cached + num_tokens, reserve, cached):
                 # Head of line waits for memory; nobody jumps the queue.
-                needed = self.kv.blocks_needed(num_tokens) - self.kv.num_blocks_held(request.request_id)
+                needed = self.kv.blocks_short(request.request_id, num_cached + num_tokens, cached)
                 return self._blocked("kv", blocks_needed=needed, blocks_free=self.kv.num_free_blocks,
                                      blocks_reserved=reserve)
-            self.kv.try_allocate(request.request_id, num_tokens)
+            self.kv.try_allocate(request.request_id, num_cached + num_tokens, cached)
+            self._take_cached(request, cached)
             self.waiting.popleft()
             request.status = Status.RUNNING
             request.wait_split = self.wait_clock.split(request.wait_mark, self._now)
@@ -275,7 +287,10 @@ class Scheduler:
                 continue
             request = row.request
             kind = row.kind                      # decided before the update
+            before = request.num_computed_tokens
             request.num_computed_tokens += row.num_tokens
+            if request.num_computed_tokens // self.kv.block_size > before // self.kv.block_size:
+                self.kv.cache_computed(request.request_id, request.all_token_ids, request.num_computed_tokens)
             if kind != "decode":
                 chunks.append(Chunk(request.request_id, row.num_tokens, request.num_computed_tokens,
                                     request.num_tokens, kind == "recompute"))

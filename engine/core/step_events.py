@@ -56,19 +56,17 @@ class StepEvents:
     def planned(self, step: int, plan: SchedulerOutput, batch_step: BatchStep) -> None:
         """The rows that left, the admitted, the batch's moves and cost, grown block tables, StepPlanned,
         and what blocks admission."""
+        evictions = self.kv.take_evictions()      # taken with or without a sink: they must not pile up
         sink = self._sink
         if sink is None:
             return
         t = self._clock()
         self._left(step, t, plan, batch_step.left_slots)
-        slot_of = self.batch.slot_of
+        if evictions:
+            sink(ev.BlocksEvicted(step=step, t=t, block_ids=tuple(e.block_id for e in evictions),
+                                  prefix_ids=tuple(e.prefix_id for e in evictions)))
         for request in plan.admitted:
-            reasons, seconds = request.wait_split
-            sink(ev.RequestAdmitted(step=step, t=t, request_id=request.request_id,
-                                    slot=slot_of[request.request_id],
-                                    num_computed_tokens=request.num_computed_tokens,
-                                    resumed=request.num_preemptions > 0, wait_reasons=reasons,
-                                    wait_s=seconds))
+            sink(self._admitted(step, t, request))
         self._rebuilt(step, t, plan, batch_step.update)
         for request_id, num_new, num_blocks in batch_step.grown:
             sink(ev.BlocksAllocated(step=step, t=t, request_id=request_id, num_new_blocks=num_new,
@@ -95,6 +93,18 @@ class StepEvents:
                 sink(ev.PaddingReleased(step=step, t=t, request_id=request_id, slot=slot,
                                         blocks_freed=gone.blocks_freed))
 
+    def _admitted(self, step: int, t: float, request: Request) -> ev.RequestAdmitted:
+        reasons, seconds = request.wait_split
+        cache = request.cache
+        return ev.RequestAdmitted(
+            step=step, t=t, request_id=request.request_id, slot=self.batch.slot_of[request.request_id],
+            num_computed_tokens=request.num_computed_tokens, resumed=request.num_preemptions > 0,
+            wait_reasons=reasons, wait_s=seconds, num_known_tokens=request.num_tokens,
+            num_cached_tokens=cache.num_cached_tokens, num_full_blocks=cache.num_full_blocks,
+            num_hit_blocks=cache.num_hit_blocks, miss_reason=cache.reason or "",
+            num_matched_tokens=cache.num_matched_tokens, evicted_ago_s=cache.evicted_ago_s or 0.0,
+            prefix_id=cache.prefix_id)
+
     def _rebuilt(self, step: int, t: float, plan: SchedulerOutput, update) -> None:
         sink = self._sink
         for move in update.moves + update.renumbered:
@@ -118,11 +128,13 @@ class StepEvents:
             num_recompute_rows=rows["recompute"], num_decode_rows=rows["decode"],
             num_padding_rows=rows["padding"], token_budget=plan.token_budget,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks))
+            kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_cached=self.kv.num_cached_blocks))
 
     def finished(self, step: int, batch_step: BatchStep, executed: Executed, result: StepResult,
                  times: StepTimes) -> None:
         """Chunks, first tokens and retirements in batch order, StepFinished, and now and then a snapshot."""
+        cached = self.kv.take_cached()
         sink = self._sink
         if sink is None:
             return
@@ -131,6 +143,9 @@ class StepEvents:
             sink(ev.PrefillChunk(step=step, t=t, request_id=chunk.request_id, num_tokens=chunk.num_tokens,
                                  num_computed_tokens=chunk.num_computed_tokens,
                                  num_known_tokens=chunk.num_known_tokens, recompute=chunk.recompute))
+        for blocks in cached:
+            sink(ev.BlocksCached(step=step, t=t, request_id=blocks.request_id, prefix_id=blocks.prefix_id,
+                                 num_new_blocks=blocks.num_blocks))
         slot_of = self.batch.slot_of
         for sampled in result.sampled:
             request = sampled.request
@@ -151,7 +166,8 @@ class StepEvents:
             sampled_request_ids=tuple(row.request.request_id for row in executed.sampled),
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
-            schedule_s=times.scheduled - times.start, prepare_s=times.prepared - times.scheduled,
+            kv_blocks_cached=kv.num_cached_blocks, schedule_s=times.scheduled - times.start,
+            prepare_s=times.prepared - times.scheduled,
             forward_s=times.forwarded - times.prepared, sample_s=times.sampled - times.forwarded,
             update_s=times.updated - times.sampled, num_padded_tokens=executed.num_padded_tokens))
 
@@ -195,4 +211,5 @@ class StepEvents:
             num_computed_tokens=tuple(r.num_computed_tokens for r in requests),
             num_blocks=tuple(kv.num_blocks_held(r.request_id) for r in requests),
             max_tokens=tuple(r.sampling.max_tokens for r in requests),
-            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks)
+            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
+            kv_blocks_cached=kv.num_cached_blocks)

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 INVARIANTS = {
     # between steps (check_invariants)
-    "pool accounting": "no block free twice, held twice, or held and free; held + free = total",
+    "pool accounting": ("every block's reference count equals its holders (a block prefix caching "
+                        "shares is held by as many requests as its count); no request holds a block "
+                        "twice; a block is free exactly when its count is 0; used + cached + empty = total"),
     "stray blocks": "blocks are held only by running requests and static padding rows",
     "queued twice": "no request is twice in the waiting queue or twice in the running list",
     "waiting and running": "no request is both waiting and running",

@@ -65,6 +65,8 @@ class SoakConfig:
     max_model_len: int = 512
     max_prompt_tokens: int = 160
     max_output_tokens: int = 96
+    shared_prefix_share: float = 0.5  # arrivals whose prompt starts with one of two common prefixes
+    shared_prefix_tokens: int = 40    # 2.5 blocks: two full blocks shared by reference, then a partial one
     arrivals_per_step: float = 0.15   # mean of a Poisson draw each round
     max_waiting: int = 16             # no arrivals while this many wait: clients with a concurrency cap
     abort_probability: float = 0.015  # per round: abort one unfinished request
@@ -89,6 +91,9 @@ class Soak:
             num_threads=config.num_threads), sink=self.log)
         self.report = SoakReport()
         self.progress = progress
+        prefix_rng = random.Random(config.seed + 1)  # blocks shared by reference, a prompt's head
+        self._prefixes = [[prefix_rng.randint(0, self.engine.vocab_size - 1)
+                           for _ in range(config.shared_prefix_tokens)] for _ in range(2)]
         self._arrived: dict[str, int] = {}      # request id -> step of arrival
         self._admitted: set[str] = set()
         self._retired: Counter = Counter()
@@ -165,6 +170,8 @@ class Soak:
                                       ignore_eos=rng.random() < 0.8, temperature=rng.choice((0.0, 0.0, 1.0)),
                                       seed=rng.randint(0, 99))
             prompt = [rng.randint(0, self.engine.vocab_size - 1) for _ in range(prompt_len)]
+            if rng.random() < cfg.shared_prefix_share:
+                prompt = (rng.choice(self._prefixes) + prompt)[: cfg.max_prompt_tokens]
             request_id = self.engine.add_request(prompt, sampling, priority=rng.randint(0, 3))
             self._arrived[request_id] = self.engine.step_count
             self.report.requests += 1

@@ -90,6 +90,11 @@ class ServerMetrics:
         self.generation_tokens = _Family(
             counter("batchtop_generation_tokens_total", "Output tokens sampled.").labels(**model),
             counter("vllm:generation_tokens_total", "Number of generation tokens processed.").labels(**model))
+        # vLLM's names and meaning: queried tokens at each first admission, of which cached
+        self.prefix_queries = counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms "
+                                      "of number of queried tokens.").labels(**model)
+        self.prefix_hits = counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number "
+                                   "of cached tokens.").labels(**model)
         self.events_dropped = counter("batchtop_events_dropped_total",
                                       "Telemetry events the server lost.").labels(**model)
         self.paused = gauge("batchtop_paused", "1 while the engine loop is paused.").labels(**model)
@@ -151,6 +156,9 @@ class ServerMetrics:
                     self._set_blocked(None)
             elif kind is ev.RequestAdmitted:
                 self._waited(e)
+                if not e.resumed:                 # vLLM counts a preempted request's lookups apart
+                    self.prefix_queries.inc(e.num_known_tokens)
+                    self.prefix_hits.inc(e.num_cached_tokens)
             elif kind is ev.AdmissionBlocked:
                 self._set_blocked(e.reason)
             elif kind is ev.RequestArrived:

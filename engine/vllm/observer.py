@@ -25,6 +25,7 @@ from typing import Callable
 
 from batchtop.telemetry import events as ev
 
+from .prefix_cache import PrefixCacheWatch
 from .slots import TOKEN_ID_BYTES, InputBatchMirror
 
 
@@ -55,10 +56,11 @@ class _Step:
 
 class StepObserver:
     def __init__(self, sink: Callable[[ev.Event], None], *, blocks_of: Callable[[str], int],
-                 kv_usage: Callable[[], tuple[int, int]]):
+                 kv_usage: Callable[[], tuple[int, int]], cache: PrefixCacheWatch | None = None):
         self._sink = sink
         self._blocks_of = blocks_of         # exact KV blocks a request holds now
         self._kv_usage = kv_usage           # (blocks used, blocks total)
+        self.cache = cache                  # vLLM's prefix cache, read back (None: not read)
         self.mirror = InputBatchMirror()
         self.step = 0                       # the last step scheduled
         self._emitted_step = 0              # the last step whose plan was emitted
@@ -87,6 +89,8 @@ class StepObserver:
 
     def _retire(self, request_id: str, reason: str) -> None:
         self._held.pop(request_id, None)
+        if self.cache is not None:
+            self.cache.retired(request_id)
         track = self._tracks.pop(request_id, None)
         if track is None:
             return
@@ -104,6 +108,8 @@ class StepObserver:
     def preempting(self, request) -> None:
         """Inside `schedule()`, just before vLLM frees the victim's blocks."""
         self._held.pop(request.request_id, None)
+        if self.cache is not None:
+            self.cache.preempting(request.request_id)
         self._preempted.append((ev.RequestPreempted, dict(
             request_id=request.request_id, slot=self.mirror.slot_of.get(request.request_id, -1),
             blocks_freed=self._blocks_of(request.request_id), tokens_to_recompute=request.num_computed_tokens,
@@ -122,15 +128,23 @@ class StepObserver:
         plan = self._preempted
         self._preempted = []
         admitted = dict(update.added)
-        for new in output.scheduled_new_reqs:     # num_computed_tokens > 0: a prefix-cache hit
-            plan.append((ev.RequestAdmitted, dict(request_id=new.req_id, slot=admitted[new.req_id],
-                                                  num_computed_tokens=new.num_computed_tokens,
-                                                  resumed=False)))
-        for request_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+        resumed = [(r, c) for r, c in zip(cached.req_ids, cached.num_computed_tokens)
+                   if r in cached.resumed_req_ids]
+        new_reqs = [(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
+        lookups = self._cache_step(output, resumed + new_reqs, requests, plan)
+        for request_id, computed in resumed + new_reqs:   # computed > 0: a prefix-cache hit
+            fields = lookups[request_id].fields() if request_id in lookups else {}
+            plan.append((ev.RequestAdmitted, dict(request_id=request_id, slot=admitted[request_id],
+                                                  num_computed_tokens=computed,
+                                                  resumed=request_id in cached.resumed_req_ids, **fields)))
+        if self.cache is not None:
+            for request_id, pid, num_new in self.cache.take_cached():
+                plan.append((ev.BlocksCached, dict(request_id=request_id, prefix_id=pid,
+                                                   num_new_blocks=num_new)))
+        for request_id in cached.req_ids:
             if request_id in cached.resumed_req_ids:
-                plan.append((ev.RequestAdmitted, dict(request_id=request_id, slot=admitted[request_id],
-                                                      num_computed_tokens=computed, resumed=True)))
-            elif request_id in admitted:     # running, left out of an earlier step: its row was rebuilt
+                continue
+            if request_id in admitted:     # running, left out of an earlier step: its row was rebuilt
                 plan.append((ev.RowMoved,
                              dict(request_id=request_id, from_slot=update.left.get(request_id, -1),
                                                to_slot=admitted[request_id],
@@ -157,7 +171,8 @@ class StepObserver:
             used, total = self._kv_usage()
             plan.append((ev.StepPlanned, dict(**planned, num_padding_rows=0, token_budget=token_budget,
                                               num_running=counts[0], num_waiting=counts[1],
-                                              kv_blocks_used=used, kv_blocks_total=total)))
+                                              kv_blocks_used=used, kv_blocks_total=total,
+                                              kv_blocks_cached=self._num_cached_blocks())))
         key = None if blocked is None else (blocked["reason"], blocked["request_id"])
         if key != self._blocked_key:
             self._blocked_key = key
@@ -167,6 +182,24 @@ class StepObserver:
         self._in_flight.append(record)
         if len(self._in_flight) == 1:
             self._emit_plan(record)
+
+    def _cache_step(self, output, admitted: list[tuple[str, int]], requests: dict, plan: list) -> dict:
+        """vLLM's prefix cache this step, read in its order (running rows, then each admission): the
+        blocks it evicted (BlocksEvicted, into `plan`) and each admission's lookup."""
+        cache = self.cache
+        if cache is None:
+            return {}
+        admitted_ids = {request_id for request_id, _ in admitted}
+        running = [r for r in output.num_scheduled_tokens if r not in admitted_ids]
+        lookups = cache.scheduled(running, admitted, requests)
+        evictions = cache.take_evictions()
+        if evictions:
+            plan.append((ev.BlocksEvicted, dict(block_ids=tuple(b for b, _ in evictions),
+                                                prefix_ids=tuple(p for _, p in evictions))))
+        return lookups
+
+    def _num_cached_blocks(self) -> int:
+        return self.cache.num_cached_blocks if self.cache is not None else 0
 
     def _rows(self, scheduled_ids: dict[str, int], requests: dict) -> tuple[list, dict]:
         """The rows by kind (ROW_KINDS): decode computes one token, the last known one, and that token is
@@ -238,7 +271,8 @@ class StepObserver:
                        num_tokens=output.total_num_scheduled_tokens, sampled_request_ids=tuple(sampled),
                        num_running=counts[0], num_waiting=counts[1], kv_blocks_used=used,
                        kv_blocks_total=total, schedule_s=record.schedule_s, prepare_s=0.0,
-                       forward_s=forward_s, sample_s=0.0, update_s=update_s)
+                       forward_s=forward_s, sample_s=0.0, update_s=update_s,
+                       kv_blocks_cached=self._num_cached_blocks())
         if self._in_flight:
             self._emit_plan(self._in_flight[0])
 
@@ -268,4 +302,4 @@ class StepObserver:
                    num_computed_tokens=tuple(r.num_computed_tokens for r, _ in entries),
                    num_blocks=tuple(self._blocks_of(r.request_id) for r, _ in entries),
                    max_tokens=tuple(r.max_tokens for r, _ in entries), kv_blocks_used=used,
-                   kv_blocks_total=total)
+                   kv_blocks_total=total, kv_blocks_cached=self._num_cached_blocks())

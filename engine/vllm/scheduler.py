@@ -23,6 +23,7 @@ import time
 
 import vllm
 from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
@@ -33,6 +34,7 @@ from batchtop.telemetry.protocol.commands import CommandQueue
 
 from .control import MAX_COMMANDS, before_step, vllm_knobs
 from .observer import StepObserver
+from .prefix_cache import PrefixCacheWatch
 
 # The vLLM releases batchtop's tests passed on (tests/vllm: the harness on each, the server on 0.32's CPU
 # build). The class reads scheduler internals that can change in any release, so another is refused
@@ -101,8 +103,10 @@ class BatchtopMixin:
         """Observe and take knob commands, without the side endpoint (the harness reads the events
         from `batchtop_events` and sets knobs through control.set_knob)."""
         emit = self.batchtop_events.append
+        cache = PrefixCacheWatch(self.kv_cache_manager, self.block_size, lambda: time.monotonic(),
+                                 lambda key: bytes(get_block_hash(key)))
         self.batchtop_observer = StepObserver(emit, blocks_of=self._batchtop_blocks_of,
-                                              kv_usage=self._batchtop_kv_usage)
+                                              kv_usage=self._batchtop_kv_usage, cache=cache)
 
         def refuse(command, message):
             emit(ev.CommandRefused(step=self.batchtop_observer.step, t=time.monotonic(), command=command,

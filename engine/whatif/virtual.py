@@ -65,7 +65,9 @@ class VirtualEngine:
                  snapshot_interval_steps: int = 1000):
         self.now = 0.0
         self.setup = setup
-        self.kv = KVCacheManager(setup.num_kv_blocks, setup.block_size)
+        # no prefix caching: a recording carries token counts, not tokens, so its prompts here are all
+        # alike and would share every block
+        self.kv = KVCacheManager(setup.num_kv_blocks, setup.block_size, enable_caching=False)
         self.scheduler = Scheduler(SchedulerKnobs(**knobs), self.kv, setup.policy, frozenset({STOP_TOKEN}))
         self.batch = PersistentBatch(setup.layout, setup.batch_capacity, setup.max_model_len,
                                      -(-setup.max_model_len // setup.block_size))

@@ -68,19 +68,52 @@ class LengthDist:
 
 
 @dataclass(frozen=True)
+class SharedPrefixes:
+    """`count` fixed prefixes of `num_tokens` tokens each (a system prompt, a few-shot preamble);
+    a request starts with one of them, drawn uniformly, with probability `share`."""
+    count: int = 1
+    num_tokens: int = 256
+    share: float = 1.0
+    seed: int = 1
+
+    def __post_init__(self):
+        if self.count < 1 or self.num_tokens < 1 or not 0.0 <= self.share <= 1.0:
+            raise ValueError(f"need count >= 1, num_tokens >= 1 and share in [0, 1], got {self}")
+
+    def prefixes(self) -> list[tuple[int, ...]]:
+        rng = random.Random(self.seed)
+        return [tuple(synthetic_prompt(self.num_tokens, rng)) for _ in range(self.count)]
+
+    def draw(self, rng: random.Random, prefixes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        return prefixes[rng.randrange(len(prefixes))] if rng.random() < self.share else ()
+
+
+@dataclass(frozen=True)
 class TraceItem:
     arrival_s: float
     output_tokens: int | None
-    prompt_tokens: int | None = None
+    prompt_tokens: int | None = None       # synthetic tokens after the prefix
     prompt: str | None = None
+    prefix_ids: tuple[int, ...] = ()       # a shared prefix the prompt starts with
+
+
+def item_prompt(item: TraceItem, rng: random.Random) -> str | list[int]:
+    """The prompt of a trace item: its text, or its prefix and synthetic tokens."""
+    if item.prompt is not None:
+        return item.prompt
+    return list(item.prefix_ids) + synthetic_prompt(item.prompt_tokens, rng)
 
 
 class PoissonLoad:
-    """Arrivals at `rate` per second; `due(elapsed)` hands out every request whose time has come."""
+    """Arrivals at `rate` per second; `due(elapsed)` hands out every request whose time has come.
+    With `prefixes`, requests start with shared prefixes (`prompt` draws the length after it)."""
 
-    def __init__(self, rate: float, prompt: LengthDist, output: LengthDist, seed: int = 0):
+    def __init__(self, rate: float, prompt: LengthDist, output: LengthDist, seed: int = 0,
+                 prefixes: SharedPrefixes | None = None):
         self.rng = random.Random(seed)
         self.prompt, self.output = prompt, output
+        self.shared = prefixes
+        self._prefixes = prefixes.prefixes() if prefixes is not None else []
         self.rate = 0.0
         self._last_s = 0.0
         self.set_rate(rate)
@@ -101,7 +134,9 @@ class PoissonLoad:
         self._last_s = elapsed_s
         items = []
         while self._next_s <= elapsed_s:
-            items.append(TraceItem(self._next_s, self.output.draw(self.rng), self.prompt.draw(self.rng)))
+            prefix = self.shared.draw(self.rng, self._prefixes) if self.shared is not None else ()
+            items.append(TraceItem(self._next_s, self.output.draw(self.rng), self.prompt.draw(self.rng),
+                                   prefix_ids=prefix))
             self._next_s += self._gap()
         return items
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from batchtop.engine.core.config import EngineConfig
 from batchtop.telemetry import events as ev
 
-from .arrivals import LengthDist, PoissonLoad, synthetic_prompt
+from .arrivals import LengthDist, PoissonLoad, SharedPrefixes, item_prompt, synthetic_prompt
 
 STEP_S = 0.02                   # headless runs: virtual seconds per step, for the load's arrivals
 
@@ -33,12 +33,13 @@ class Scenario:
     output: LengthDist = LengthDist("exponential", 64.0, 1, 512)
     script: tuple[tuple[int, int, int], ...] = ()              # (step, prompt tokens, output tokens)
     phases: tuple[tuple[int, str, object], ...] = ()           # (step, knob, value)
+    prefixes: SharedPrefixes | None = None                     # the load's prompts start with these
 
     def engine_config(self, **overrides) -> EngineConfig:
         return EngineConfig(**{**self.config, **overrides})
 
     def load(self, seed: int = 0) -> PoissonLoad:
-        return PoissonLoad(self.rate, self.prompt, self.output, seed=seed)
+        return PoissonLoad(self.rate, self.prompt, self.output, seed=seed, prefixes=self.prefixes)
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -86,6 +87,31 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         config={"num_kv_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 512},
         rate=20.0, prompt=LengthDist("uniform", 48.0, 16, 96), output=LengthDist("uniform", 96.0, 48, 160),
         phases=((60, "max_num_seqs", 32),)),
+    Scenario(
+        "shared-system-prompt",
+        watch="every request starts with one 384-token system prompt: the cached column, the hit-rate "
+              "line near 90%, prefill tokens a tenth of the prompt tokens (--no-enable-prefix-caching: all)",
+        claim="with prefix caching a shared prefix is computed once: admission needs only the tokens after "
+              "it, so prefill tokens and TTFT fall by the shared share",
+        config={"max_num_seqs": 16, "max_num_batched_tokens": 512},
+        rate=8.0, prompt=LengthDist("uniform", 40.0, 16, 64), output=LengthDist("uniform", 20.0, 8, 32),
+        prefixes=SharedPrefixes(count=1, num_tokens=384)),
+    Scenario(
+        "below-block",
+        watch="a 15-token common prefix with 16-token blocks: 0% hits, and every miss says below_block",
+        claim="only full blocks are cached, so a shared prefix shorter than one block never hits",
+        config={"max_num_seqs": 16},
+        rate=8.0, prompt=LengthDist("uniform", 64.0, 32, 96), output=LengthDist("uniform", 20.0, 8, 32),
+        prefixes=SharedPrefixes(count=1, num_tokens=15)),
+    Scenario(
+        "cache-eviction",
+        watch="12 system prompts of 10 blocks each in a pool of 64 blocks: the cache section's evictions, "
+              "hits falling and evicted misses climbing as the pool churns",
+        claim="freed blocks stay cached until a new block is needed; when the prefixes outgrow the pool, "
+              "the least recently freed are evicted and tomorrow's hit becomes an evicted miss",
+        config={"num_kv_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 512},
+        rate=10.0, prompt=LengthDist("uniform", 24.0, 8, 40), output=LengthDist("uniform", 24.0, 8, 40),
+        prefixes=SharedPrefixes(count=12, num_tokens=160)),
 )}
 
 
@@ -106,11 +132,11 @@ def run_scenario(scenario: Scenario, steps: int, *, loaded=None, seed: int = 0,
             _, name, value = phases.pop(0)
             engine.set_knob(name, value, source="test")
         items = [(p, o) for s, p, o in script if s == step]
+        prompts = [(synthetic_prompt(p, rng), o) for p, o in items]
         if load is not None:
-            items += [(item.prompt_tokens, item.output_tokens) for item in load.due(step * STEP_S)]
-        for prompt_tokens, output_tokens in items:
-            engine.add_request(synthetic_prompt(prompt_tokens, rng),
-                               SamplingParams(max_tokens=output_tokens, ignore_eos=True))
+            prompts += [(item_prompt(item, rng), item.output_tokens) for item in load.due(step * STEP_S)]
+        for prompt, output_tokens in prompts:
+            engine.add_request(prompt, SamplingParams(max_tokens=output_tokens, ignore_eos=True))
         engine.step()
     return events
 
@@ -167,11 +193,37 @@ def report(name: str, events: list[ev.Event]) -> str:
         return (f"layout {rebuilt[0].layout if rebuilt else '?'}: rows moved on {moved} of {len(steps)} "
                 f"steps ({sum(e.rows_moved for e in rebuilt)} rows, {sum(e.num_bytes for e in rebuilt)} "
                 "bytes)")
+    if name in PREFIX_SCENARIOS:
+        return prefix_report(events)
     return ""
 
 
+def prefix_report(events: list[ev.Event]) -> str:
+    """Hits, prefill tokens, misses by reason and evictions, in the first and second half of the run."""
+    admitted = [e for e in events if isinstance(e, ev.RequestAdmitted) and not e.resumed]
+    chunks = [e for e in events if isinstance(e, ev.PrefillChunk)]
+    ttft = sorted(e.ttft_s for e in events if isinstance(e, ev.FirstToken))
+    half = len(admitted) // 2
+
+    def rate(part):
+        return sum(e.num_cached_tokens for e in part) / max(1, sum(e.num_known_tokens for e in part))
+
+    reasons: dict[str, int] = {}
+    for e in admitted:
+        reasons[e.miss_reason or "none"] = reasons.get(e.miss_reason or "none", 0) + 1
+    evicted = sum(len(e.block_ids) for e in events if isinstance(e, ev.BlocksEvicted))
+    p50 = ttft[len(ttft) // 2] * 1e3 if ttft else float("nan")
+    queried = sum(e.num_known_tokens for e in admitted)
+    computed = sum(e.num_tokens for e in chunks)
+    return (f"{len(admitted)} requests, token hit rate {rate(admitted):.3f} (first half "
+            f"{rate(admitted[:half]):.3f}, second {rate(admitted[half:]):.3f}); prompt tokens {queried}, "
+            f"prefill computed {computed}; misses {dict(sorted(reasons.items()))}; {evicted} blocks evicted; "
+            f"TTFT p50 {p50:.1f} ms")
+
+
+PREFIX_SCENARIOS = ("shared-system-prompt", "below-block", "cache-eviction")
 REPORT_STEPS = {"static-vs-continuous": 250, "kv-exhaustion": 200, "long-prefill": 120, "alternating": 120,
-                "max-num-seqs": 160}
+                "max-num-seqs": 160, "shared-system-prompt": 120, "below-block": 100, "cache-eviction": 200}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,11 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, __import__("torch").float32)
     for name in args.names:
         scenario = SCENARIOS[name]
-        runs = [{}] if name != "alternating" else [{"layout": "condense"}, {"layout": "indexmap"}]
+        runs = {"alternating": [{"layout": "condense"}, {"layout": "indexmap"}],
+                "shared-system-prompt": [{}, {"enable_prefix_caching": False}]}.get(name, [{}])
         for overrides in runs:
             start = time.perf_counter()
             events = run_scenario(scenario, REPORT_STEPS[name], loaded=loaded, model=args.model, **overrides)
-            print(f"{name}: {report(name, events)}  [{time.perf_counter() - start:.1f} s wall]")
+            label = "".join(f" ({key}={value})" for key, value in overrides.items() if key != "layout")
+            print(f"{name}{label}: {report(name, events)}  [{time.perf_counter() - start:.1f} s wall]")
     return 0
 
 

@@ -66,3 +66,40 @@ def test_raising_max_num_seqs_without_kv_turns_into_preemptions(tiny):
     preempted = of(events, ev.RequestPreempted)
     assert not [e for e in preempted if e.step < raised]
     assert len([e for e in preempted if e.step >= raised]) >= 3
+
+
+def first_admissions(events):
+    return [e for e in of(events, ev.RequestAdmitted) if not e.resumed]
+
+
+def hit_rate(admitted):
+    return sum(e.num_cached_tokens for e in admitted) / sum(e.num_known_tokens for e in admitted)
+
+
+def test_a_shared_system_prompt_is_computed_once(tiny):
+    scenario = SCENARIOS["shared-system-prompt"]
+    on, off = (run_scenario(scenario, 60, loaded=tiny, enable_prefix_caching=caching)
+               for caching in (True, False))
+    admitted = first_admissions(on)
+    assert len(admitted) >= 6 and hit_rate(admitted) > 0.7
+    # after the first, every block of the system prompt hits; the request's own full blocks are new
+    assert all(e.num_hit_blocks == 24 and e.miss_reason in ("", "partial") for e in admitted[1:])
+    computed = [sum(e.num_tokens for e in of(events, ev.PrefillChunk)) for events in (on, off)]
+    assert computed[0] < 0.3 * computed[1]
+
+
+def test_a_prefix_below_one_block_never_hits_and_says_so(tiny):
+    admitted = first_admissions(run_scenario(SCENARIOS["below-block"], 80, loaded=tiny))
+    assert len(admitted) >= 4 and sum(e.num_cached_tokens for e in admitted) == 0
+    assert {e.miss_reason for e in admitted[1:]} == {"below_block"}
+    assert all(e.num_matched_tokens == 15 for e in admitted[1:])
+
+
+def test_a_small_pool_evicts_and_evicted_misses_climb(tiny):
+    events = run_scenario(SCENARIOS["cache-eviction"], 120, loaded=tiny)
+    admitted = first_admissions(events)
+    assert of(events, ev.BlocksEvicted)
+    half = len(admitted) // 2
+    evicted = [sum(e.miss_reason == "evicted" for e in part) for part in (admitted[:half], admitted[half:])]
+    assert evicted[1] >= max(3, evicted[0])
+    assert hit_rate(admitted) > 0

@@ -16,6 +16,7 @@ from batchtop.telemetry import events as ev
 from batchtop.telemetry.state import BatchState
 
 STEPS_PER_LAYOUT = 700
+SHARED_PREFIX = list(range(200, 213))
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,12 @@ def test_folded_state_equals_the_engines_after_every_step(tiny, layout):
     late = None                          # joins at step 150 from a snapshot, loses events at 400
     plan = dict(((s, (k, v)) for s, k, v in KNOB_PLAN))
     counts = {"preempted": 0, "retracted": 0, "recompute_chunks": 0, "aborted_running": 0, "chunked": 0,
-              "padding": 0}
+              "padding": 0, "cached": 0, "evicted": 0}
     for step in range(1, STEPS_PER_LAYOUT + 1):
         for _ in range(rng.choice((0, 0, 1, 1, 2))):
             prompt = [rng.randrange(100, 5000) for _ in range(rng.randint(1, 40))]
+            if rng.random() < 0.4:                 # a shared prefix: cached blocks, hits, evictions
+                prompt = SHARED_PREFIX + prompt[:20]
             engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True))
         if rng.random() < 0.04:
             live = engine.scheduler.running if rng.random() < 0.5 else list(engine.scheduler.waiting)
@@ -90,6 +93,12 @@ def test_folded_state_equals_the_engines_after_every_step(tiny, layout):
             counts["padding"] += kind is ev.PaddingReleased
         expected = engine_state(engine)
         assert full.keys() == expected, f"step {step}"
+        kv = engine.kv
+        if full.pool is not None:        # after the first step
+            assert full.pool == (kv.num_used_blocks, kv.num_cached_blocks, kv.num_blocks), f"step {step}"
+        assert full.pool_problems() == [] and kv.audit() == []
+        counts["cached"] += sum(e.num_cached_tokens for e in batch if type(e) is ev.RequestAdmitted)
+        counts["evicted"] += sum(len(e.block_ids) for e in batch if type(e) is ev.BlocksEvicted)
         if late is not None and late.synced:
             assert late.keys() == expected, f"late consumer, step {step}"
     assert late.synced and late.num_snapshots >= 2       # joined from one, resynced from a later one

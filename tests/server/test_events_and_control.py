@@ -153,7 +153,8 @@ def test_metrics_names(served, base_url):
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "batchtop_kv_blocks_total",
-                 "batchtop_requests_running", "batchtop_preemptions_total"):
+                 "batchtop_requests_running", "batchtop_preemptions_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total"):
         assert f"\n{name}{{" in text, name
     assert '# TYPE vllm:time_to_first_token_seconds histogram' in text
     assert 'le="+Inf"' in text

@@ -226,3 +226,18 @@ def test_a_version_1_log_is_upgraded_on_read(tmp_path):
     assert header["schema_version"] == 1
     assert (planned.prefill_tokens, planned.recompute_tokens, planned.num_recompute_rows) == (9, 0, 0)
     assert chunk.recompute is False and admitted.wait_s == () and retired.num_blocks == 0
+
+
+def test_a_version_2_log_reads_with_nothing_cached(tmp_path):
+    """Version 3 added prefix caching; a version 2 log (and a version 1 one) reads with nothing cached."""
+    lines = ['{"kind":"RequestAdmitted","step":1,"t":0.4,"request_id":"a","slot":0,"num_computed_tokens":0,'
+             '"resumed":false,"wait_reasons":[],"wait_s":[]}',
+             '{"kind":"StepPlanned","step":1,"t":0.5,"prefill_tokens":9,"recompute_tokens":0,"decode_tokens":2,'
+             '"num_prefill_rows":1,"num_recompute_rows":0,"num_decode_rows":2,"num_padding_rows":0,'
+             '"token_budget":64,"num_running":3,"num_waiting":0,"kv_blocks_used":3,"kv_blocks_total":8}']
+    for version in (1, 2):
+        path = tmp_path / f"v{version}.jsonl"
+        path.write_text("\n".join([f'{{"kind":"Header","schema_version":{version}}}', *lines]) + "\n")
+        _, (admitted, planned) = read_log(path)
+        assert (admitted.num_cached_tokens, admitted.miss_reason, admitted.prefix_id) == (0, "", "")
+        assert planned.kv_blocks_cached == 0 and planned.kv_blocks_used == 3

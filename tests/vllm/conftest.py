@@ -7,6 +7,11 @@ stock vLLM beside it (the reference for token identity) is the suite's (tests/co
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 from vllm_helpers import (
     EVENTS_API_KEY,
@@ -14,6 +19,7 @@ from vllm_helpers import (
     START_TIMEOUT_S,
     VLLM_ENVS,
     EventFollower,
+    env_python,
     env_skip_reason,
     options,
     skip_reason,
@@ -49,6 +55,27 @@ def vllm_server(tmp_path_factory):
     finally:
         server.stop()
         assert not server.group_alive(), "a vLLM process outlived its test session"
+
+
+@pytest.fixture(scope="session", params=sorted(VLLM_ENVS))
+def checked(request):
+    """(vLLM version, harness_check.py's scenarios' results) in one vLLM environment: one run (one vLLM
+    import) for test_vllm_harness.py and test_vllm_prefix_cache.py."""
+    env = request.param
+    reason = env_skip_reason(env)
+    if reason:
+        pytest.skip(f"no vLLM {VLLM_ENVS[env]} here: {reason}")
+    done = subprocess.run(
+        [str(env_python(env)), str(Path(__file__).parent / "harness_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["vllm"].startswith(VLLM_ENVS[env])
+    return result
 
 
 @pytest.fixture

@@ -475,6 +475,13 @@ def module_scenario() -> dict:
     }
 
 
+def prefix_cache_scenario() -> dict:
+    """prefix_cache_check.py's loads (test_vllm_prefix_cache.py reads them)."""
+    from prefix_cache_check import run_all
+
+    return {"runs": run_all(), "counts": {}, "failures": []}
+
+
 SCENARIOS = {
     "fold": lambda: fold_scenario(False),
     "fold_async": lambda: fold_scenario(True),
@@ -484,6 +491,7 @@ SCENARIOS = {
     "failure_async": lambda: failure_scenario(True),
     "gate_and_check": gate_and_check_scenario,
     "module": module_scenario,
+    "prefix_cache": prefix_cache_scenario,
 }
 
 

@@ -1,39 +1,16 @@
 """batchtop's class inside vLLM's real scheduler on a virtual clock, on every vLLM version it supports
 (0.32's CPU build in .venv-vllm, 0.33 in .venv-vllm033), each in its own interpreter: no model,
-no server. harness_check.py runs the scenarios and checks every step against vLLM's own objects."""
+no server. harness_check.py runs the scenarios and checks every step against vLLM's own objects (the
+`checked` fixture of conftest.py: one run per environment, test_vllm_prefix_cache.py reads it too)."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from vllm_helpers import VLLM_ENVS, env_python, env_skip_reason
-
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(scope="module", params=sorted(VLLM_ENVS))
-def checked(request):
-    """(vLLM version, the scenarios' results) in one vLLM environment."""
-    env = request.param
-    reason = env_skip_reason(env)
-    if reason:
-        pytest.skip(f"no vLLM {VLLM_ENVS[env]} here: {reason}")
-    done = subprocess.run(
-        [str(env_python(env)), str(HERE / "harness_check.py")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["vllm"].startswith(VLLM_ENVS[env])
-    return result
 
 
 @pytest.mark.parametrize("scenario", ["fold", "fold_async"])

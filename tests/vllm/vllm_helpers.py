@@ -25,7 +25,8 @@ def model_dir() -> str:
 def options(**overrides) -> VllmOptions:
     settings = dict(model=model_dir(), port=PORT, events_port=EVENTS_PORT, max_num_seqs=MAX_NUM_SEQS,
                     max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=NUM_GPU_BLOCKS, kv_cache_gib=1,
-                    enforce_eager=True, omp_threads=1)
+                    enforce_eager=True, omp_threads=1,
+                    extra_args=("--enable-prompt-tokens-details",))   # usage reports vLLM's cached tokens
     return VllmOptions(**{**settings, **overrides})
 
 

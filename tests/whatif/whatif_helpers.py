@@ -25,7 +25,8 @@ def record_engine(loaded, *, steps: int = 300, seed: int = 0, knob_plan=(), abor
     ending on a stop id), random aborts of running and waiting requests, and `knob_plan` changes."""
     settings = dict(model="tiny", num_kv_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=48,
                     long_prefill_token_threshold=16, batch_capacity=8, max_model_len=128,
-                    snapshot_interval_steps=97, flight_recorder_steps=0)
+                    snapshot_interval_steps=97, flight_recorder_steps=0,
+                    enable_prefix_caching=False)      # the what-if replays counts, not tokens: no cache
     settings.update(config)
     events: list = []
     engine = Engine(EngineConfig(**settings), sink=events.append, loaded=loaded)
