@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#ifdef __AVX512F__
+#include <cstring>
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
@@ -144,6 +145,13 @@ constexpr int64_t PANEL = 48;
 constexpr int64_t X_BLOCK_FLOATS = 1 << 18;
 constexpr int64_t PREFETCH_L2_K = 64, PREFETCH_L1_K = 8;     // how many k ahead of the tile each prefetch runs
 constexpr int64_t LINE_FLOATS = 16;
+// Rows of a tile: its 3 x ROWS accumulators stay in registers (32 of AVX-512's; AVX2 has 16 of half
+// the width, so past 2 rows it would spill them to memory on every k).
+#ifdef __AVX512F__
+constexpr int64_t TILE_ROWS = 8;
+#else
+constexpr int64_t TILE_ROWS = 2;
+#endif
 
 template <int ROWS>
 static inline void store_tile(const vec16 (&acc)[ROWS][3], float* __restrict out, int64_t ldo, int64_t cols) {
@@ -198,9 +206,25 @@ static const tile_fn TILES[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<
 constexpr int64_t QBLOCK = 32;
 constexpr int64_t PREFETCH_Q_K = 64;          // how many k ahead of the tile the block panel is fetched
 
-static inline vec16 decode16(const int8_t* q, vec16 scale, vec16 offset) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+// 16 signed bytes to 16 floats: one instruction pair with AVX-512, two halves with AVX2 (AMD's CPUs
+// before Zen 4 have no AVX-512; element by element the decode would cost 20x the product).
+static inline vec16 bytes_to_vec16(__m128i bytes) {
 #ifdef __AVX512F__
-    return scale * (vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))) + offset;
+    return (vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+#else
+    const __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+    vec16 v;
+    std::memcpy(&v, halves, sizeof v);
+    return v;
+#endif
+}
+#endif
+
+static inline vec16 decode16(const int8_t* q, vec16 scale, vec16 offset) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    return scale * bytes_to_vec16(_mm_loadu_si128((const __m128i*)q)) + offset;
 #else
     vec16 v;
     for (int i = 0; i < 16; ++i) v[i] = q[i];
@@ -215,12 +239,12 @@ static inline void decode_k(const uint8_t* row, const vec16 (&d)[3], const vec16
     if constexpr (!NIBBLES) {
         for (int j = 0; j < 3; ++j) w[j] = decode16((const int8_t*)row + 16 * j, d[j], o[j]);
     } else {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
         const __m128i low = _mm_set1_epi8(0x0F);
         const __m128i a = _mm_loadu_si128((const __m128i*)row), b = _mm_loadl_epi64((const __m128i*)(row + 16));
         const __m128i q[3] = {_mm_and_si128(a, low), _mm_and_si128(_mm_srli_epi16(a, 4), low),
                               _mm_unpacklo_epi64(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low))};
-        for (int j = 0; j < 3; ++j) w[j] = d[j] * (vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q[j])) + o[j];
+        for (int j = 0; j < 3; ++j) w[j] = d[j] * bytes_to_vec16(q[j]) + o[j];
 #else
         for (int j = 0; j < 3; ++j) {
             vec16 v;
@@ -451,8 +475,8 @@ template <typename FirstTile>
 static void run_tiles(const float* xp, float* op, int64_t M, int64_t K, int64_t N, int64_t P,
                       const char* panels, int64_t panel_bytes, bool needs_buffer, FirstTile first_tile) {
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-        const int64_t tiles = (M + 7) / 8, panel_lines = panel_bytes / 64;
-        const int64_t block_tiles = std::max<int64_t>(1, X_BLOCK_FLOATS / (8 * K));
+        const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS, panel_lines = panel_bytes / 64;
+        const int64_t block_tiles = std::max<int64_t>(1, X_BLOCK_FLOATS / (TILE_ROWS * K));
         std::vector<float> buffer(needs_buffer && tiles > 1 ? K * PANEL + LINE_FLOATS : 0);
         float* decoded = aligned64<float>(buffer.data());
         for (int64_t t0 = 0; t0 < tiles; t0 += block_tiles) {          // one block of rows ...
@@ -465,7 +489,7 @@ static void run_tiles(const float* xp, float* op, int64_t M, int64_t K, int64_t 
                     const int64_t first = (t - t0 - 1) * share;
                     const int64_t lines = p + 1 == end ? 0 : std::clamp(panel_lines - first, int64_t{0}, share);
                     const float* ahead = lines ? (const float*)(panels + (p + 1) * panel_bytes + 64 * first) : nullptr;
-                    TILES[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, panel, op + 8 * t * N + p * PANEL, N,
+                    TILES[std::min<int64_t>(TILE_ROWS, M - TILE_ROWS * t)](xp + TILE_ROWS * t * K, K, panel, op + TILE_ROWS * t * N + p * PANEL, N,
                                                            cols, ahead, lines);
                 }
             }
@@ -489,7 +513,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor panels, int64_t N) {
     run_tiles(xp, op, M, K, N, P, (const char*)wp, K * PANEL * 4, false,
               [&](int64_t p, int64_t t, int64_t cols, float*) {
                   const float* panel = wp + p * K * PANEL;
-                  TILES[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, panel, op + 8 * t * N + p * PANEL, N, cols, nullptr, 0);
+                  TILES[std::min<int64_t>(TILE_ROWS, M - TILE_ROWS * t)](xp + TILE_ROWS * t * K, K, panel, op + TILE_ROWS * t * N + p * PANEL, N, cols, nullptr, 0);
                   return panel;
               });
     return out;
@@ -521,8 +545,8 @@ torch::Tensor packed_linear_blocks(torch::Tensor x, torch::Tensor q, torch::Tens
     const block_tile_fn* tiles = nibbles ? BLOCK_TILES<true> : BLOCK_TILES<false>;
     run_tiles(xp, op, M, K, N, P, (const char*)qp, panel_bytes, true,
               [&](int64_t p, int64_t t, int64_t cols, float* decoded) {
-                  tiles[std::min<int64_t>(8, M - 8 * t)](xp + 8 * t * K, K, qp + p * panel_bytes, sp + p * blocks,
-                                                         fp + p * blocks, op + 8 * t * N + p * PANEL, N, cols, decoded);
+                  tiles[std::min<int64_t>(TILE_ROWS, M - TILE_ROWS * t)](xp + TILE_ROWS * t * K, K, qp + p * panel_bytes, sp + p * blocks,
+                                                         fp + p * blocks, op + TILE_ROWS * t * N + p * PANEL, N, cols, decoded);
                   return (const float*)decoded;
               });
     return out;
