@@ -119,7 +119,7 @@ class Histogram:
 
 
 @dataclass(frozen=True)
-class EngineSnapshot:
+class ScrapedEngine:
     """One engine's figures in one scrape; None where the server exports no such series."""
     engine: str                                  # identity labels, e.g. "smollm2 engine=0"
     running: float | None = None
@@ -144,7 +144,7 @@ class EngineSnapshot:
 class Scrape:
     t: float                                     # when it was read (the reader's monotonic clock)
     flavour: str | None                          # "vllm", "sglang", or None: neither kind of name
-    engines: dict[str, EngineSnapshot]
+    engines: dict[str, ScrapedEngine]
 
 
 def detect_flavour(text: str) -> str | None:
@@ -205,7 +205,7 @@ class _Reader:
                 return {engine: values[""] for engine, values in self._per_engine(name).items()}
         return {}
 
-    def engines(self) -> dict[str, EngineSnapshot]:
+    def engines(self) -> dict[str, ScrapedEngine]:
         spec = self.spec
         running, waiting = self._first((spec.running,)), self._first((spec.waiting,))
         kv_usage = self._first(spec.kv_usage)
@@ -221,7 +221,7 @@ class _Reader:
         out = {}
         for key in sorted(keys):
             blocks, block_size = pools.get(key, (None, None))
-            out[key] = EngineSnapshot(
+            out[key] = ScrapedEngine(
                 engine=key, running=running.get(key), waiting=waiting.get(key),
                 waiting_by_reason=by_reason.get(key, {}), kv_usage=kv_usage.get(key),
                 kv_blocks_total=blocks, block_size=block_size, gen_throughput=throughput.get(key),

@@ -1,6 +1,6 @@
 """What one engine did between two scrapes of its `/metrics`: counter and histogram deltas.
 
-`derive(earlier, later, dt)` turns two `EngineSnapshot`s into an `Interval`: scheduler steps
+`derive(earlier, later, dt)` turns two `ScrapedEngine`s into an `Interval`: scheduler steps
 and tokens per step (vLLM's iteration-tokens histogram), admissions (first tokens),
 retirements by finish reason, preemptions, prompt / generation tokens per second, prefix-cache
 hit rate, TTFT / ITL / E2E percentiles of the requests seen in the interval, and the gauges as
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .exposition import EngineSnapshot, Histogram
+from .exposition import Histogram, ScrapedEngine
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class _Deltas:
         return since
 
 
-def derive(earlier: EngineSnapshot, later: EngineSnapshot, t: float, dt: float) -> Interval:
+def derive(earlier: ScrapedEngine, later: ScrapedEngine, t: float, dt: float) -> Interval:
     d = _Deltas()
     counters = {name: d.counter(earlier.counters.get(name), later.counters.get(name))
                 for name in later.counters.keys() | earlier.counters.keys()}

@@ -3,7 +3,9 @@
 Once per tick (~10 Hz) the app polls its source and folds the new events into the
 view model; it redraws the visible panels at most once per `refresh_s` (never one
 message per event), at once after a key, and once a second when nothing moves.
-Keys map to `action_*` methods (see BINDINGS and `?`).
+Keys map to `action_*` methods (see BINDINGS and `?`). A source whose commands wait on the
+network (`commands_block`) is commanded from a worker thread; its answer comes back as a
+`CommandAnswered` message, so no key waits on a slow or unreachable server.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal
+from textual.message import Message
 from textual.widgets import ContentSwitcher, Footer, Static
 
 from .model import DashboardModel
@@ -25,6 +28,7 @@ from .tables import COLUMNS, EventLogView, RequestTable
 from .widgets import HeaderBar, KvPanel, SlotGrid, TimelineView
 
 VIEWS = ("requests", "plots", "events", "timeline")
+WAITING = "sent to the {kind} source, waiting for its answer..."
 WIDE_COLUMNS = 130        # from here on the timeline sits beside the request table
 IDLE_REDRAW_TICKS = 10     # with nothing new, redraw once a second (ages and rates move)
 
@@ -47,6 +51,15 @@ class LoadingSource(Source):
         cpu = sys.modules.get("batchtop.kernels.cpu")     # imported by the load: never import torch here
         doing = (cpu.build_note() if cpu is not None else None) or f"loading {self.what}"
         return f"{doing} {time.monotonic() - self.started:.0f}s"
+
+
+class CommandAnswered(Message):
+    """A source command's answer (None, or the refusal), back from the worker thread that sent it."""
+
+    def __init__(self, error: str | None, then: Callable[[str | None], None]):
+        super().__init__()
+        self.error = error
+        self.then = then
 
 
 class BatchtopApp(App):
@@ -274,6 +287,28 @@ class BatchtopApp(App):
             self.say(ok)
         self.refresh_views()
 
+    def command(self, call: Callable[[], str | None], then: Callable[[str | None], None]) -> None:
+        """Run a source command and hand its answer to `then`: at once for a local source; from a
+        worker thread for one whose commands wait on the network, the answer posted back as a
+        CommandAnswered message (the screen says the command is on its way meanwhile)."""
+        if not self.source.commands_block:
+            then(call())
+            return
+        self.say(WAITING.format(kind=self.source.kind))
+
+        def send() -> None:
+            try:
+                error = call()
+            except Exception as failure:          # a source's bug is shown, never raised into the UI
+                error = f"{type(failure).__name__}: {failure}"
+            self.post_message(CommandAnswered(error, then))
+        self.run_worker(send, thread=True, group="commands", exit_on_error=False)
+
+    def on_command_answered(self, message: CommandAnswered) -> None:
+        if self.status_message == WAITING.format(kind=self.source.kind):
+            self.say(f"the {self.source.kind} source answered")
+        message.then(message.error)
+
     @property
     def selected_request(self) -> str | None:
         if self.table.selected is None:
@@ -295,10 +330,10 @@ class BatchtopApp(App):
         self.push_screen(HelpScreen(self.BINDINGS, intro))
 
     def action_toggle_pause(self) -> None:
-        self._answer(self.source.toggle_pause())
+        self.command(self.source.toggle_pause, self._answer)
 
     def action_step(self) -> None:
-        self._answer(self.source.step_once())
+        self.command(self.source.step_once, self._answer)
 
     def action_step_back(self) -> None:
         self._answer(self.source.step_back())
@@ -322,7 +357,8 @@ class BatchtopApp(App):
 
     def set_knob(self, name: str, value) -> str | None:
         """Ask the source to change a knob; the refusal (a message) or None. Shown either way. A knob is
-        named in full or by its label ("seqs"); only the source's own knobs are offered."""
+        named in full or by its label ("seqs"); only the source's own knobs are offered. Over a source
+        whose commands wait on the network, None means sent: its answer is shown when it comes."""
         offered = self.source.offered_knobs()
         name = next((k.name for k in offered.values() if k.label == name), name)
         if self.source.read_only:
@@ -330,17 +366,26 @@ class BatchtopApp(App):
         elif name not in offered:
             error = f"unknown knob {name!r} over this {self.source.kind} source; knobs: {', '.join(offered)}"
         else:
-            error = self.source.set_knob(name, value)
+            answers: list[str | None] = []
+
+            def answered(error: str | None) -> None:
+                answers.append(error)
+                self._knob_answered(offered[name], value, error)
+            self.command(lambda: self.source.set_knob(name, value), answered)
+            return answers[0] if answers else None
+        self.say(f"refused: {error}", error=True)
+        return error
+
+    def _knob_answered(self, knob, value, error: str | None) -> None:
         if error:
             self.say(f"refused: {error}", error=True)
-            return error
-        if offered[name].applies != "next step":
-            self.say(f"{name} → {value} requested (applies at the {offered[name].applies})")
+            return
+        if knob.applies != "next step":
+            self.say(f"{knob.name} → {value} requested (applies at the {knob.applies})")
         else:
-            self.model.knobs[name] = _coerce(value)     # KnobChanged confirms it a tick later
-            self.say(f"{name} → {value}")
+            self.model.knobs[knob.name] = _coerce(value)     # KnobChanged confirms it a tick later
+            self.say(f"{knob.name} → {value}")
         self.refresh_views()
-        return None
 
     def action_type_knob(self) -> None:
         if self.source.read_only:
@@ -425,7 +470,8 @@ class BatchtopApp(App):
 
         def done(yes: bool | None) -> None:
             if yes:
-                self._answer(self.source.abort(request_id), f"abort {request_id} sent")
+                self.command(lambda: self.source.abort(request_id),
+                             lambda error: self._answer(error, f"abort {request_id} sent"))
         self.push_screen(ConfirmScreen(f"Abort request {request_id}?"), done)
 
     def action_view(self, name: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from batchtop.engine.bench.engine import make_trace
-from batchtop.engine.bench.figures import publish
+from batchtop.engine.bench.figures import commit, cpu_name, publish
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.loop import EngineLoop
@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     base = best["recorder only"]
     lines = [SECTION, "",
              f"`python -m batchtop.tui.bench`, {args.model} fp32, {args.threads} threads, "
-             f"{time.strftime('%Y-%m-%d')}: {len(prompts)} requests of the engine trace ({useful} output "
+             f"{time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()}: {len(prompts)} requests of the "
+             f"engine trace ({useful} output "
              "tokens) through the engine thread, with the recorder alone and with the dashboard (headless "
              "Textual run at 120x40, polling at 10 Hz, redrawing at most once per period while events flow) "
              f"attached and recording; alternated {args.rounds} times, best of each.", "",

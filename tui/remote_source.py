@@ -29,6 +29,7 @@ from .sources import Poll, Source
 class RemoteSource(Source):
     kind = "remote"
     read_only = False
+    commands_block = True
 
     def __init__(self, url: str, api_key: str | None = None, *, backoff_s: tuple[float, float] = (0.5, 8.0),
                  timeout_s: float = 5.0, read_timeout_s: float = 30.0, from_step: int | None = 0):

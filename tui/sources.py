@@ -38,6 +38,7 @@ class Source:
     kind = "source"
     read_only = True
     paused = False
+    commands_block = False      # True: a command waits on the network (the app sends it off the UI thread)
 
     def __init__(self) -> None:
         self.meta: dict = {}          # model, device, layout, preemption_mode (shown in the header)

@@ -39,7 +39,7 @@ from batchtop.engine.model.runner import flat_forward_for
 from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
 
-from .figures import publish
+from .figures import commit, cpu_name, publish
 
 SECTION = "## Engine: batchtop vs transformers"
 CUDA_SECTION = "## Engine on CUDA: batchtop vs transformers"
@@ -390,7 +390,8 @@ def main(argv=None) -> int:
 
     lines = [SECTION, "",
              f"`make bench-engine` (python -m batchtop.engine.bench.engine), SmolLM2-135M fp32, "
-             f"{args.threads} threads, measured {time.strftime('%Y-%m-%d')}.",
+             f"{args.threads} threads, measured {time.strftime('%Y-%m-%d')} at commit {commit()} "
+             f"on {cpu_name()}.",
              f"Trace: {len(prompts)} requests at once, prompts uniform 16..128 tokens "
              f"({sum(map(len, prompts))} in all), outputs exponential mean 64 clipped to [4, 256] "
              f"({useful} in all), EOS ignored.", ""]
@@ -474,7 +475,8 @@ def cuda_section(args, device_name, loaded, prompts, lengths, results, static_ut
                        + ([f"--cuda-graphs {args.cuda_graphs}"] if args.cuda_graphs != "both" else []))
     lines = [CUDA_SECTION, "",
              f"`{command}`, SmolLM2-135M's architecture with {weights}, {args.dtype}, on one {device_name}, "
-             f"measured {time.strftime('%Y-%m-%d')}. The same trace as above: {len(prompts)} requests, "
+             f"measured {time.strftime('%Y-%m-%d')} at commit {commit()}. The same trace as above: "
+             f"{len(prompts)} requests, "
              f"{sum(map(len, prompts))} prompt and {useful} output tokens.", ""]
     lines += contender_table(results, useful, digits=2)
     lines += ["", bracket, f"Static batches of 16: utilisation {static_util:.3f}.", ""]
@@ -527,7 +529,8 @@ def telemetry_main(args) -> int:
     text = "\n".join([
         TELEMETRY_SECTION, "",
         f"`python -m batchtop.engine.bench.engine --telemetry`, SmolLM2 fp32, {args.threads} threads, "
-        f"{time.strftime('%Y-%m-%d')}: the first 32 requests of the engine trace, telemetry off and the "
+        f"{time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()}: the first 32 requests of the engine "
+        "trace, telemetry off and the "
         "recorder writing every event to a JSONL log, alternated three times; best of each.", "",
         "| telemetry | wall s | relative |", "|---|---:|---:|",
         f"| off | {off:.2f} | 1.000 |", f"| recorder | {recorder:.2f} | {recorder / off:.3f} |", ""])

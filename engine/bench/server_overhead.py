@@ -26,7 +26,7 @@ import httpx
 from batchtop.engine.bench import serving as bs
 from batchtop.engine.core.config import EngineConfig
 
-from .figures import publish
+from .figures import commit, cpu_name, publish
 
 SECTION = "## Server overhead and sweep"
 
@@ -107,8 +107,8 @@ def render(args, result: dict, points: list[dict]) -> str:
     n, i, o, c = result["requests"]
     lines = [SECTION, "",
              f"Measured with `python -m batchtop.engine.bench.server_overhead"
-             f"{' --quick' if args.quick else ''} --model {args.model}` on "
-             f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs, shared with other jobs), "
+             f"{' --quick' if args.quick else ''} --model {args.model}` at commit {commit()} on "
+             f"{cpu_name()} ({os.cpu_count()} CPUs, shared with other jobs), "
              f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}. Best of {args.repeats} "
              "alternating runs each.", "",
              f"**Server overhead.** {n} requests, {i} prompt tokens and {o} output tokens each (EOS "

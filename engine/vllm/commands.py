@@ -23,8 +23,9 @@ def add_vllm(sub) -> None:
     serve.add_argument("--port", type=int, default=8100, help="vLLM's OpenAI API")
     serve.add_argument("--events-port", type=int, default=None,
                        help="batchtop's event endpoint (default: PORT + 1; + the data-parallel rank)")
-    serve.add_argument("--max-num-seqs", type=int, default=64,
-                       help=f"{KNOBS['max_num_seqs'].help}; the knob's upper limit while vLLM runs")
+    serve.add_argument("--max-num-seqs", type=int, default=None,
+                       help=f"{KNOBS['max_num_seqs'].help} (default: vLLM's own); the knob's upper limit "
+                            "while vLLM runs")
     serve.add_argument("--max-model-len", type=int, default=2048)
     serve.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="a small KV pool, in vLLM blocks")

@@ -55,7 +55,7 @@ class VllmOptions:
     host: str = "127.0.0.1"
     scheduler_cls: str | None = SCHEDULER_CLS      # None: vLLM's own scheduler (a stock server)
     events_port: int | None = None                  # batchtop's side endpoint inside vLLM's engine process
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None                 # None: vLLM's own default
     max_model_len: int = 2048
     num_gpu_blocks_override: int | None = None      # a small KV pool (vLLM's switch for testing preemption)
     kv_cache_gib: int = 2                           # VLLM_CPU_KVCACHE_SPACE (vLLM reads an integer)
@@ -83,7 +83,9 @@ def vllm_command(options: VllmOptions) -> list[str]:
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", options.model]
     command += ["--served-model-name", options.served_model_name,
                "--host", options.host, "--port", str(options.port), "--dtype", "float32",
-               "--max-model-len", str(options.max_model_len), "--max-num-seqs", str(options.max_num_seqs)]
+               "--max-model-len", str(options.max_model_len)]
+    if options.max_num_seqs is not None:
+        command += ["--max-num-seqs", str(options.max_num_seqs)]
     if options.scheduler_cls:
         command += ["--scheduler-cls", options.scheduler_cls]
     if options.num_gpu_blocks_override:

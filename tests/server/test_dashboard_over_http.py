@@ -2,13 +2,25 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
+import json
+import threading
+import time
 
 import httpx
+import pytest
 from server_helpers import wait_idle
 
 from batchtop.engine.server.app import ServerThread
 from batchtop.engine.server.host import BatchtopServer
 from batchtop.tui.remote_source import RemoteSource
+
+
+async def answered(pilot, app, timeout_s: float = 10.0) -> None:
+    """Wait for the remote's answer to the last command (it comes back as a message)."""
+    deadline = time.monotonic() + timeout_s
+    while "waiting for its answer" in app.status_message and time.monotonic() < deadline:
+        await pilot.pause(0.05)
 
 
 def test_dashboard_follows_server_and_pauses_it(served):
@@ -30,8 +42,10 @@ def test_dashboard_follows_server_and_pauses_it(served):
             assert isinstance(app.source, RemoteSource) and app.source.connected
             assert app.model.last_t                       # events reached the view model
             await pilot.press("space")
+            await answered(pilot, app)
             assert app.source.paused and server.paused
             await pilot.press("space")
+            await answered(pilot, app)
             assert not app.source.paused and not server.paused
             app.source.close()
 
@@ -40,3 +54,57 @@ def test_dashboard_follows_server_and_pauses_it(served):
     finally:
         front.stop()
         wait_idle(served[0])
+
+
+class SlowControl(http.server.BaseHTTPRequestHandler):
+    """A server that answers its knob table at once and every command only after DELAY_S."""
+    DELAY_S = 2.0
+
+    def do_GET(self):
+        if self.path.startswith("/v1/knobs"):
+            self._reply(200, {"knobs": {"max_num_seqs": 8}, "paused": False})
+        else:
+            self._reply(404, {"error": {"message": "no events here"}})
+
+    def do_POST(self):
+        time.sleep(self.DELAY_S)
+        self._reply(200, {"paused": True})
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def slow_server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowControl)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.asyncio
+async def test_a_slow_server_never_holds_the_screen(slow_server):
+    """A command goes from a worker thread: the next key is served while the server takes 2 s to answer,
+    and the answer is shown when it comes."""
+    from batchtop.tui.app import VIEWS, BatchtopApp
+    source = RemoteSource(slow_server, backoff_s=(5.0, 5.0))
+    app = BatchtopApp(source, tick_s=None)
+    async with app.run_test() as pilot:
+        pressed = time.monotonic()
+        await pilot.press("space")
+        await pilot.press("2")
+        assert time.monotonic() - pressed < SlowControl.DELAY_S / 2
+        assert app.view == VIEWS[1] and "waiting for its answer" in app.status_message
+        assert not source.paused
+        await answered(pilot, app)
+        assert source.paused and "waiting" not in app.status_message
+    source.close()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from batchtop.telemetry.exposition import EngineSnapshot, Scrape, detect_flavour, parse_exposition
+from batchtop.telemetry.exposition import Scrape, ScrapedEngine, detect_flavour, parse_exposition
 from batchtop.telemetry.intervals import Interval, derive
 from batchtop.tui.sources import Source
 
@@ -81,7 +81,7 @@ def _is_json_with(response: httpx.Response, key: str) -> bool:
 class EngineView:
     """One engine as the dashboard shows it: the latest snapshot, its intervals, run totals."""
     engine: str
-    latest: EngineSnapshot
+    latest: ScrapedEngine
     intervals: deque = field(default_factory=lambda: deque(maxlen=MAX_INTERVALS))
     # retired, generation_tokens, ... since the first scrape
     totals: dict[str, float] = field(default_factory=dict)
