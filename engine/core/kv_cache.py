@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from batchtop.telemetry.first_blocks import FirstBlocks
+
 # Why a request's uncached full blocks missed (telemetry.events.MISS_REASONS).
 NO_PREFIX, BELOW_BLOCK, EVICTED, PARTIAL = "no_prefix", "below_block", "evicted", "partial"
 DISABLED = "disabled"
@@ -94,8 +96,7 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}        # leading blocks of each holder already hashed
         self._evicted: OrderedDict[bytes, float] = OrderedDict()   # hash -> when it was evicted
         # cached first blocks' tokens, and their hashes by leading tokens: `below_block` or `no_prefix`
-        self._first_tokens: dict[bytes, tuple[int, ...]] = {}
-        self._roots: dict[tuple[int, ...], set[bytes]] = {}
+        self._first_blocks = FirstBlocks(block_size)
         self._evictions: list[Eviction] = []
         self._newly_cached: dict[str, CachedBlocks] = {}
 
@@ -153,7 +154,7 @@ class KVCacheManager:
             return replace(found, reason=EVICTED, evicted_ago_s=self.clock() - self._evicted[missed])
         if hit:
             return replace(found, reason=PARTIAL)
-        matched = self._longest_root_match(token_ids[: self.block_size])
+        matched = self._first_blocks.longest_match(token_ids)
         return replace(found, reason=BELOW_BLOCK if matched else NO_PREFIX, num_matched_tokens=matched)
 
     def _chain(self, request_id: str, token_ids: list[int], num_full: int) -> list[bytes]:
@@ -164,22 +165,6 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else ROOT
             hashes.append(block_hash(parent, token_ids[index * size: (index + 1) * size]))
         return hashes
-
-    def _root_key(self, tokens) -> tuple[int, ...]:
-        return tuple(tokens[: max(1, self.block_size // 2)])
-
-    def _longest_root_match(self, tokens: list[int]) -> int:
-        """Leading tokens shared with the closest cached first block, when at least half a block is
-        shared (fewer, such as a common first token, count as no prefix); else 0."""
-        if self.block_size < 2:
-            return 0
-        best = 0
-        for h in self._roots.get(self._root_key(tokens), ()):
-            cached, n = self._first_tokens[h], 0
-            while n < len(tokens) and tokens[n] == cached[n]:
-                n += 1
-            best = max(best, n)
-        return best
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -242,10 +227,7 @@ class KVCacheManager:
         self._hash_of[block] = None
         root = self._root_of[block]
         if root == ROOT:                     # a first block: no longer a candidate for below_block
-            key = self._root_key(self._first_tokens.pop(h))
-            self._roots[key].discard(h)
-            if not self._roots[key]:
-                del self._roots[key]
+            self._first_blocks.discard(h)
         self._evicted[h] = now
         self._evicted.move_to_end(h)
         if len(self._evicted) > EVICTED_MEMORY:
@@ -278,8 +260,7 @@ class KVCacheManager:
             self._root_of[block] = ROOT if index == 0 else root
             self._evicted.pop(h, None)
             if index == 0:
-                first = self._first_tokens[h] = tuple(token_ids[: self.block_size])
-                self._roots.setdefault(self._root_key(first), set()).add(h)
+                self._first_blocks.add(h, token_ids)
             added += 1
         self._num_registered[request_id] = num_full
         if added:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
+from batchtop.telemetry.first_blocks import FirstBlocks
+
 EVICTED_MEMORY = 65536            # evicted hashes remembered, to tell `evicted` from `no_prefix`
 
 
@@ -70,8 +72,7 @@ class PrefixCacheWatch:
         self._block_hash_of: dict[int, bytes] = {}      # ... and that key's block hash (a request's)
         self._root_of: dict[int, str] = {}              # block id -> the prefix its hash belongs to
         self._evicted: OrderedDict[bytes, float] = OrderedDict()   # vLLM BlockHash -> when it went
-        self._first_tokens: dict[bytes, tuple[int, ...]] = {}      # cached first blocks' tokens
-        self._roots: dict[tuple[int, ...], set[bytes]] = {}        # ... by their leading half block
+        self._first_blocks = FirstBlocks(block_size)               # cached first blocks' tokens
         self._holders: dict[str, _Holder] = {}
         self._free_cached: set[int] = set()             # free blocks that hold a hash (evictable)
         self._released: list[str] = []                  # preempted inside schedule(): freed after it
@@ -147,26 +148,10 @@ class PrefixCacheWatch:
         elif num_hit:
             found.miss_reason = "partial"
         else:
-            matched = self._longest_root_match(request.all_token_ids[:size])
+            matched = self._first_blocks.longest_match(request.all_token_ids[:size])
             found.miss_reason = "below_block" if matched else "no_prefix"
             found.num_matched_tokens = matched
         return found
-
-    def _root_key(self, tokens) -> tuple[int, ...]:
-        return tuple(tokens[: max(1, self.block_size // 2)])
-
-    def _longest_root_match(self, tokens) -> int:
-        """Leading tokens shared with the closest cached first block, when at least half a block is shared
-        (as batchtop's engine counts it); else 0."""
-        if self.block_size < 2:
-            return 0
-        best = 0
-        for h in self._roots.get(self._root_key(tokens), ()):
-            cached, n = self._first_tokens[h], 0
-            while n < len(tokens) and tokens[n] == cached[n]:
-                n += 1
-            best = max(best, n)
-        return best
 
     # -- blocks ----------------------------------------------------------------------------------
 
@@ -195,8 +180,7 @@ class PrefixCacheWatch:
                 h = self._block_hash(block.block_hash)
                 holder.prefix_id = prefix_id(h)
                 if block.block_id not in self._hash_of:
-                    first = self._first_tokens[h] = tuple(request.all_token_ids[: self.block_size])
-                    self._roots.setdefault(self._root_key(first), set()).add(h)
+                    self._first_blocks.add(h, request.all_token_ids)
             self._see(request_id, holder, block)
             holder.num_cached = index + 1
 
@@ -218,13 +202,7 @@ class PrefixCacheWatch:
         del self._hash_of[block_id]
         h = self._block_hash_of.pop(block_id)
         pid = self._root_of.pop(block_id, "")
-        first = self._first_tokens.pop(h, None)
-        if first is not None:                           # a first block: no longer a below_block candidate
-            roots = self._roots.get(self._root_key(first))
-            if roots is not None:
-                roots.discard(h)
-                if not roots:
-                    del self._roots[self._root_key(first)]
+        self._first_blocks.discard(h)                   # a first block: no longer a below_block candidate
         self._evicted[h] = self._clock()
         self._evicted.move_to_end(h)
         if len(self._evicted) > EVICTED_MEMORY:
