@@ -29,6 +29,7 @@ from .widgets import HeaderBar, KvPanel, SlotGrid, TimelineView
 
 VIEWS = ("requests", "plots", "events", "timeline")
 WAITING = "sent to the {kind} source, waiting for its answer..."
+NOT_ANSWERED = "the {kind} source has not answered the last command yet"
 WIDE_COLUMNS = 130        # from here on the timeline sits beside the request table
 IDLE_REDRAW_TICKS = 10     # with nothing new, redraw once a second (ages and rates move)
 
@@ -128,6 +129,7 @@ class BatchtopApp(App):
         self.view = "requests"
         self.plot_window = PLOT_WINDOWS_S[1]
         self.status_message = message          # the status line's first words (a scenario's watch line)
+        self._command_pending = False          # a command to a network source awaits its answer
         self._seen_model_message = ""
         self._ticks = 0
         self._shown_status: str | None = None
@@ -290,10 +292,16 @@ class BatchtopApp(App):
     def command(self, call: Callable[[], str | None], then: Callable[[str | None], None]) -> None:
         """Run a source command and hand its answer to `then`: at once for a local source; from a
         worker thread for one whose commands wait on the network, the answer posted back as a
-        CommandAnswered message (the screen says the command is on its way meanwhile)."""
+        CommandAnswered message (the screen says the command is on its way meanwhile). One at a time:
+        a command sent before the last one's answer is refused (a second pause would read the state
+        the first has not changed yet)."""
         if not self.source.commands_block:
             then(call())
             return
+        if self._command_pending:
+            self.say(NOT_ANSWERED.format(kind=self.source.kind), error=True)
+            return
+        self._command_pending = True
         self.say(WAITING.format(kind=self.source.kind))
 
         def send() -> None:
@@ -305,8 +313,10 @@ class BatchtopApp(App):
         self.run_worker(send, thread=True, group="commands", exit_on_error=False)
 
     def on_command_answered(self, message: CommandAnswered) -> None:
-        if self.status_message == WAITING.format(kind=self.source.kind):
-            self.say(f"the {self.source.kind} source answered")
+        self._command_pending = False
+        kind = self.source.kind
+        if self.status_message in (WAITING.format(kind=kind), f"[b red]{NOT_ANSWERED.format(kind=kind)}[/]"):
+            self.say(f"the {kind} source answered")
         message.then(message.error)
 
     @property

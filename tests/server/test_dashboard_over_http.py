@@ -66,7 +66,10 @@ class SlowControl(http.server.BaseHTTPRequestHandler):
         else:
             self._reply(404, {"error": {"message": "no events here"}})
 
+    posts: list[str] = []
+
     def do_POST(self):
+        SlowControl.posts.append(self.path)
         time.sleep(self.DELAY_S)
         self._reply(200, {"paused": True})
 
@@ -99,12 +102,20 @@ async def test_a_slow_server_never_holds_the_screen(slow_server):
     source = RemoteSource(slow_server, backoff_s=(5.0, 5.0))
     app = BatchtopApp(source, tick_s=None)
     async with app.run_test() as pilot:
+        SlowControl.posts.clear()
         pressed = time.monotonic()
         await pilot.press("space")
         await pilot.press("2")
         assert time.monotonic() - pressed < SlowControl.DELAY_S / 2
         assert app.view == VIEWS[1] and "waiting for its answer" in app.status_message
         assert not source.paused
-        await answered(pilot, app)
-        assert source.paused and "waiting" not in app.status_message
+        await pilot.press("space")                  # before the answer: refused, not sent again
+        assert "not answered the last command yet" in app.status_message
+        await pilot.pause(0.3)
+        assert SlowControl.posts == ["/v1/pause"]
+        deadline = time.monotonic() + 10
+        while app.status_message != "the remote source answered" and time.monotonic() < deadline:
+            await pilot.pause(0.05)
+        assert source.paused and app.status_message == "the remote source answered"
+        assert SlowControl.posts == ["/v1/pause"]
     source.close()
