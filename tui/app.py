@@ -130,6 +130,7 @@ class BatchtopApp(App):
         self.plot_window = PLOT_WINDOWS_S[1]
         self.status_message = message          # the status line's first words (a scenario's watch line)
         self._command_pending = False          # a command to a network source awaits its answer
+        self._waiting_status: str | None = None   # the status line that says so, while it is shown
         self._seen_model_message = ""
         self._ticks = 0
         self._shown_status: str | None = None
@@ -300,9 +301,11 @@ class BatchtopApp(App):
             return
         if self._command_pending:
             self.say(NOT_ANSWERED.format(kind=self.source.kind), error=True)
+            self._waiting_status = self.status_message
             return
         self._command_pending = True
         self.say(WAITING.format(kind=self.source.kind))
+        self._waiting_status = self.status_message
 
         def send() -> None:
             try:
@@ -314,9 +317,8 @@ class BatchtopApp(App):
 
     def on_command_answered(self, message: CommandAnswered) -> None:
         self._command_pending = False
-        kind = self.source.kind
-        if self.status_message in (WAITING.format(kind=kind), f"[b red]{NOT_ANSWERED.format(kind=kind)}[/]"):
-            self.say(f"the {kind} source answered")
+        if self.status_message == self._waiting_status:
+            self.say(f"the {self.source.kind} source answered")
         message.then(message.error)
 
     @property
