@@ -305,6 +305,14 @@ def packed_linear(x: torch.Tensor, packed: PackedLinear,
                                         packed.out_features, amx_min_rows or 0)
 
 
+def products_pay() -> bool:
+    """Whether the packed products beat torch's fp32 matmul on this CPU: their tiles keep 8 rows x 48
+    columns in AVX-512's 32 registers. With AVX2 alone the same loop ran 2.5-20x slower than torch's
+    from 1 row to 64 (docs/kernels.md), so there the model's products stay torch's and only the fused
+    elementwise kernels and the attention run here."""
+    return available() and "avx512f" in cpu_features().split()
+
+
 def amx_available() -> bool:
     """Whether block weights' many-row steps can run on the AMX tile unit (the CPU has it, the
     kernels were built for it and the OS granted the tile state)."""

@@ -112,7 +112,8 @@ class FusedCpuOps(TransformersOps):
 class FlatForward:
     """`hidden = forward(input_ids, positions, kv_caches, slot_mapping, attend)`; `logits(hidden)`."""
 
-    def __init__(self, model):
+    def __init__(self, model, packed: bool | None = None):
+        """`packed`: the products on the CPU kernel's packed weights (default: where they beat torch's)."""
         self.model = model.model
         self.placement = (model.device, model.dtype)      # what the fused weights below were made for
         config = model.config
@@ -121,17 +122,18 @@ class FlatForward:
                  and cpu.available())
         ops = FusedCpuOps if fused else TransformersOps
         self.ops = ops(dims.num_heads, dims.num_kv_heads, dims.head_dim)
+        packed = fused and (cpu.products_pay() if packed is None else packed)
         self.layers = [Layer(layer.input_layernorm,
                              FusedLinear(layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                         layer.self_attn.v_proj, packed=fused),
+                                         layer.self_attn.v_proj, packed=packed),
                              layer.self_attn.scaling,
-                             FusedLinear(layer.self_attn.o_proj, packed=fused),
+                             FusedLinear(layer.self_attn.o_proj, packed=packed),
                              layer.post_attention_layernorm,
-                             FusedLinear(layer.mlp.gate_proj, layer.mlp.up_proj, packed=fused),
+                             FusedLinear(layer.mlp.gate_proj, layer.mlp.up_proj, packed=packed),
                              layer.mlp.act_fn,
-                             FusedLinear(layer.mlp.down_proj, packed=fused))
+                             FusedLinear(layer.mlp.down_proj, packed=packed))
                        for layer in self.model.layers]
-        self.lm_head = FusedLinear(model.lm_head, packed=fused)
+        self.lm_head = FusedLinear(model.lm_head, packed=packed)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,

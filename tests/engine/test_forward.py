@@ -1,7 +1,8 @@
 """The runner's forward against transformers' own, on one ragged step of prefills then one of decodes.
 
-Three paths: forward.py with the fused C++ ops and packed GEMMs (the default for Llama on the CPU),
-forward.py on transformers' modules op by op (no C++ build), and transformers' forward with the
+Three paths: forward.py with the fused C++ ops, its products on the packed weights (the default for
+Llama on a CPU with AVX-512) or torch's (the default with AVX2 alone), forward.py on transformers'
+modules op by op (no C++ build), and transformers' forward with the
 paged attention registered by name (any other architecture; a Qwen2 with q/k/v biases here).
 """
 import weakref
@@ -79,10 +80,27 @@ def test_fused_forward_matches_transformers(tiny, monkeypatch, prompt_attention)
     sdpa_prompt = attention_torch._prefill_attention
     monkeypatch.setattr(attention_torch, "_prefill_attention",
                         lambda *a: prompt_calls.append(1) or sdpa_prompt(*a))
+    monkeypatch.setattr(cpu, "products_pay", lambda: True)     # packed products on every CPU with a build
     runner = assert_matches_transformers(tiny)
     assert bool(prompt_calls) == sdpa
     assert isinstance(runner.flat_forward.ops, FusedCpuOps)
     assert runner.flat_forward.lm_head.packed is not None
+
+
+@pytest.mark.skipif(cpu.unbuildable_reason() is not None, reason="the C++ kernels cannot be built here")
+def test_fused_ops_with_torch_products_match_transformers(tiny, monkeypatch):
+    """Where the packed products do not pay (AVX2 alone), the fused ops run around torch's products."""
+    fresh_forwards(monkeypatch)
+    monkeypatch.setattr(cpu, "products_pay", lambda: False)
+    runner = assert_matches_transformers(tiny)
+    assert isinstance(runner.flat_forward.ops, FusedCpuOps)
+    assert runner.flat_forward.lm_head.packed is None
+    assert runner.flat_forward.lm_head.weight.shape == tiny.lm_head.weight.shape
+
+
+def test_packed_products_are_chosen_by_the_cpu():
+    flags = cpu.cpu_features().split()
+    assert cpu.products_pay() == (cpu.available() and "avx512f" in flags)
 
 
 def test_forward_on_transformers_modules_matches_transformers(tiny, monkeypatch):

@@ -7,8 +7,8 @@ import torch
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.sampling import SamplingParams
+from batchtop.engine.model.forward import FlatForward
 from batchtop.engine.model.loading import load_model
-from batchtop.engine.model.runner import flat_forward_for
 from batchtop.kernels import cpu
 
 CHAT_PROMPTS = [
@@ -86,7 +86,7 @@ def test_smollm2_matches_transformers_generate(smollm2, smollm2_reference, confi
 def test_smollm2_runs_on_its_gguf_blocks(smollm2):
     """The default model comes from a Q4_1 / Q8_0 GGUF: every projection and the LM head are packed as
     those blocks (a third of the fp32 bytes), so the identity above holds for the block kernel."""
-    flat = flat_forward_for(smollm2.model)
+    flat = FlatForward(smollm2.model, packed=True)      # the engine's products where they pay (AVX-512)
     linears = [linear for layer in flat.layers for linear in layer.linears] + [flat.lm_head]
     assert all(linear.packed.scale is not None for linear in linears)
     fp32_bytes = 4 * sum(m.weight.numel() for m in smollm2.model.modules() if isinstance(m, torch.nn.Linear))
