@@ -83,7 +83,8 @@ class WhatIf:
                              "share": self.identity.match_share,
                              "first_mismatch": self.identity.first_mismatch},
                 "fit": {"law": law.name, "forward": law.describe(), "heldout_mape": law.heldout_mape,
-                        "gap_s": self.model.gap_s, "mean_slowdown": self.model.mean_slowdown},
+                        "gap": self.model.gap.describe(), "gap_s": self.model.gap_s,
+                        "mean_slowdown": self.model.mean_slowdown},
                 "note": NOTE_LENGTHS, "runs": [run.row() for run in self.runs]}
 
 
@@ -97,7 +98,7 @@ def predict(rec: Recording, model: StepTimeModel, changed: dict, label: str | No
     knobs = {**rec.setup.knobs, **changed}
     steps = model.fresh()
     started = time.perf_counter()
-    _, events = run_whatif(rec, knobs, steps, held=frozenset(changed))
+    _, events = run_whatif(rec, knobs, steps, held=frozenset(changed), gap=steps.gap)
     seconds = time.perf_counter() - started
     label = label or ", ".join(f"{k}={v}" for k, v in changed.items()) or "as recorded (fitted)"
     return run_of(label, changed, events, extrapolation=steps.extrapolation(), seconds=seconds)
@@ -146,7 +147,8 @@ def format_table(result: WhatIf) -> str:
              f"scheduled as recorded ({identity.match_share:.1%})"
              + (f", first difference at step {identity.first_mismatch}" if identity.first_mismatch else ""),
              f"step time: {law.name} law, forward = {law.describe()}; held-out MAPE {law.heldout_mape:.1%}; "
-             f"times a recorded slowdown (mean {result.model.mean_slowdown:.2f}x)",
+             f"times a recorded slowdown (mean {result.model.mean_slowdown:.2f}x); "
+             f"gap between steps = {result.model.gap.describe()}",
              NOTE_LENGTHS]
     if rec.setup.assumed:
         lines.append("not in the recording, engine defaults assumed: " + ", ".join(rec.setup.assumed))

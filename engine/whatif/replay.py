@@ -3,9 +3,11 @@
 Identity follows the recording's own order: its arrivals, aborts, knob changes and pauses happen
 where they happened between steps, and each step takes the recorded step's times, so the same
 scheduler must plan the same step; `signatures` compares the two runs step by step. A what-if runs
-on the virtual clock alone: requests arrive at their recorded times, aborts come the recorded time
-after arrival, the recording's knob changes apply at their times (but for the knobs held fixed),
-and every step lasts what the step-time model predicts.
+on the virtual clock alone: requests arrive at their recorded times and, as in the engine's loop, are
+taken in (and their TTFT counted from) the first step boundary after that; aborts come the recorded
+time after arrival, the recording's knob changes apply at their times (but for the knobs held
+fixed); every step lasts what the step-time model predicts, and the gap before it what the gap law
+gives for the arrivals taken in and the requests the step before retired.
 """
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ from dataclasses import dataclass
 from batchtop.telemetry import events as ev
 
 from .recording import QUEUE_EXITS, Recording
-from .steptime import StepTimeModel, fit_model
+from .steptime import GapSample, StepTimeModel, fit_model
 from .virtual import PhaseTimes, StepShape, VirtualEngine
 
 LOOP_POLL_S = 0.002         # the engine loop's wait while a dynamic batch forms
+# A recorded arrival is stamped at the step boundary where the loop took it in; a replay's boundary a
+# rounding error before it still takes it in.
+ARRIVAL_TOLERANCE_S = 1e-9
 MAX_IDLE_POLLS = 1_000_000
 
 
@@ -110,14 +115,27 @@ def fit_steps(rec: Recording, identity: Identity) -> StepTimeModel:
         if step in finished:
             shapes.append(shape)
             done.append(finished[step])
+    return fit_model(shapes, done, recorded_gaps(rec))
+
+
+def recorded_gaps(rec: Recording) -> list[GapSample]:
+    """The gaps between back-to-back recorded steps (work left after the first), each with the arrivals
+    taken in before the second (their events carry the first's step number) and the first's
+    retirements."""
+    arrived: dict[int, int] = defaultdict(int)
+    retired: dict[int, int] = defaultdict(int)
+    for e in rec.events:
+        if isinstance(e, ev.RequestArrived):
+            arrived[e.step] += 1
+        elif isinstance(e, ev.RequestRetired) and e.reason not in QUEUE_EXITS:
+            retired[e.step] += 1
+    ordered = sorted(rec.steps, key=lambda e: e.step)
     gaps = []
-    ordered = sorted(finished.values(), key=lambda e: e.step)
     for before, after in zip(ordered, ordered[1:]):
-        busy = before.num_running + before.num_waiting > 0 and after.step == before.step + 1
-        if busy:
+        if before.num_running + before.num_waiting > 0 and after.step == before.step + 1:
             start = after.t - recorded_phases(after).total_s
-            gaps.append(start - before.t)
-    return fit_model(shapes, done, gaps)
+            gaps.append(GapSample(start - before.t, arrived[before.step], retired[before.step]))
+    return gaps
 
 
 def _replayed_steps(events) -> list[int]:
@@ -125,20 +143,23 @@ def _replayed_steps(events) -> list[int]:
 
 
 def run_whatif(rec: Recording, knobs: dict, model, held: frozenset[str] = frozenset(),
-               snapshot_interval_steps: int = 1000) -> tuple[VirtualEngine, list[ev.Event]]:
+               snapshot_interval_steps: int = 1000, gap=None) -> tuple[VirtualEngine, list[ev.Event]]:
     """The recording's trace under `knobs` on the virtual clock; `model(shape)` gives each step's
-    phases. The recording's own changes of the knobs in `held` are left out."""
+    phases, `gap(num_arrived, num_retired)` the loop's time before it (None: none). The recording's
+    own changes of the knobs in `held` are left out."""
     events: list[ev.Event] = []
     engine = VirtualEngine(rec.setup, knobs, events.append, snapshot_interval_steps)
     arrivals = sorted(rec.requests, key=lambda r: r.arrival_s)
     aborts: list[tuple[float, str, str]] = []
     changes = [(t, name, new) for t, name, new in rec.knob_changes if name not in held]
     a = c = idle_polls = 0
+    num_arrived = num_retired = 0          # since the last step
     now = 0.0
     while True:
-        while a < len(arrivals) and arrivals[a].arrival_s <= now:
+        while a < len(arrivals) and arrivals[a].arrival_s <= now + ARRIVAL_TOLERANCE_S:
             item = arrivals[a]
-            engine.add(item, max(item.arrival_s, 0.0))
+            engine.add(item, now)
+            num_arrived += 1
             if item.abort_after_s is not None:
                 heapq.heappush(aborts, (item.arrival_s + item.abort_after_s, item.request_id, item.reason))
             a += 1
@@ -148,9 +169,11 @@ def run_whatif(rec: Recording, knobs: dict, model, held: frozenset[str] = frozen
         while c < len(changes) and changes[c][0] <= now:
             engine.set_knob(changes[c][1], changes[c][2], changes[c][0], "recorded")
             c += 1
-        phases = engine.try_step(now, model)
+        start = now + (gap(num_arrived, num_retired) if gap is not None and engine.has_work() else 0.0)
+        phases = engine.try_step(start, model)
         if phases is not None:
-            now += phases.total_s + phases.gap_s
+            now = start + phases.total_s
+            num_arrived, num_retired = 0, engine.num_retired_last
             idle_polls = 0
             continue
         upcoming = [arrivals[a].arrival_s] if a < len(arrivals) else []

@@ -7,9 +7,11 @@ the law with the lowest held-out error (MAPE over 5 interleaved folds) wins and 
 step. A predicted forward time is the law times a slowdown drawn (seeded) from the recording's own
 ratios of measured to fitted time at the same number of rows: a shared machine slows some steps
 many-fold, and queues grow with the mean step, not the typical one. The other phases (schedule,
-prepare, sample, update) are fitted linear in the rows; the gap between back-to-back steps (the
-loop's own time) is drawn from the recorded gaps. A step whose shape lies beyond what the recording
-saw is counted as extrapolated, with how far.
+prepare, sample, update) are fitted linear in the rows. The gap between back-to-back steps (the
+loop's own time: the finished requests handed out, the new arrivals taken in) is a `GapLaw` linear in
+the arrivals and retirements, fitted to the recorded gaps by least squares (their mean: a queue
+grows with the mean gap). A step whose shape lies beyond what the recording saw is counted as
+extrapolated, with how far.
 """
 from __future__ import annotations
 
@@ -116,12 +118,45 @@ def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[s
     return best
 
 
+@dataclass(frozen=True)
+class GapSample:
+    """One recorded gap between back-to-back steps and what the loop did in it."""
+    gap_s: float
+    num_arrived: int             # requests taken in before the next step
+    num_retired: int             # requests the step before it finished
+
+
+@dataclass(frozen=True)
+class GapLaw:
+    coef: tuple[float, float, float]     # intercept, per arrival, per retirement (seconds)
+    mean_s: float                        # the recorded gaps' mean
+
+    def __call__(self, num_arrived: int, num_retired: int) -> float:
+        a, per_arrival, per_retirement = self.coef
+        return a + per_arrival * num_arrived + per_retirement * num_retired
+
+    def describe(self) -> str:
+        a, per_arrival, per_retirement = self.coef
+        return (f"{a * 1e6:.3g} us + {per_arrival * 1e6:.3g} us x arrivals + "
+                f"{per_retirement * 1e6:.3g} us x retirements")
+
+
+def fit_gap(samples: list[GapSample]) -> GapLaw:
+    """The gap law of the recorded gaps (none recorded: no gap)."""
+    if not samples:
+        return GapLaw((0.0, 0.0, 0.0), 0.0)
+    x = np.asarray([(1.0, s.num_arrived, s.num_retired) for s in samples])
+    y = np.asarray([max(s.gap_s, 0.0) for s in samples])
+    a, per_arrival, per_retirement = nonnegative_lstsq(x, y)
+    return GapLaw((float(a), float(per_arrival), float(per_retirement)), float(y.mean()))
+
+
 @dataclass
 class StepTimeModel:
     """Predicted phases of a step; counts the steps it had to extrapolate."""
     forward: Law
     overhead: dict[str, tuple[float, float]]    # phase: (intercept, per row)
-    gaps: tuple[float, ...]                      # recorded gaps between back-to-back steps
+    gap: GapLaw                                  # the loop's time between two steps
     ratios: dict[int, tuple[float, ...]]         # rows: recorded forward time / the law's, per step
     seen: dict[str, float]                       # the recorded maximum of each feature
     seed: int = 0
@@ -135,7 +170,7 @@ class StepTimeModel:
 
     @property
     def gap_s(self) -> float:
-        return float(np.mean(self.gaps)) if self.gaps else 0.0
+        return self.gap.mean_s
 
     @property
     def mean_slowdown(self) -> float:
@@ -153,10 +188,8 @@ class StepTimeModel:
                 self.max_beyond[name] = max(self.max_beyond.get(name, 0.0), ratio)
         self.num_extrapolated += beyond
         over = {phase: a + b * shape.num_rows for phase, (a, b) in self.overhead.items()}
-        gap = self._rng.choice(self.gaps) if self.gaps else 0.0
         forward = max(self.forward.predict(shape), 0.0) * self._slowdown(shape.num_rows)
-        return PhaseTimes(over["schedule_s"], over["prepare_s"], forward, over["sample_s"], over["update_s"],
-                          gap)
+        return PhaseTimes(over["schedule_s"], over["prepare_s"], forward, over["sample_s"], over["update_s"])
 
     def _slowdown(self, num_rows: int) -> float:
         if not self.ratios:
@@ -168,7 +201,7 @@ class StepTimeModel:
 
     def fresh(self) -> StepTimeModel:
         """The same model with its counts at zero (one per what-if run)."""
-        return StepTimeModel(self.forward, self.overhead, self.gaps, self.ratios, self.seen, self.seed)
+        return StepTimeModel(self.forward, self.overhead, self.gap, self.ratios, self.seen, self.seed)
 
     def extrapolation(self) -> str | None:
         """None when every predicted step lay within the recording's shapes."""
@@ -182,9 +215,9 @@ class StepTimeModel:
 OVERHEAD_PHASES = ("schedule_s", "prepare_s", "sample_s", "update_s")
 
 
-def fit_model(shapes: list[StepShape], finished: list, gaps: list[float]) -> StepTimeModel:
-    """`shapes[i]` is what recorded step `finished[i]` (its StepFinished) computed; `gaps`: the idle
-    time between back-to-back recorded steps."""
+def fit_model(shapes: list[StepShape], finished: list, gaps: list[GapSample]) -> StepTimeModel:
+    """`shapes[i]` is what recorded step `finished[i]` (its StepFinished) computed; `gaps`: the recorded
+    gaps between back-to-back steps."""
     forward = fit_law(shapes, [e.forward_s for e in finished])
     rows = design(shapes, ("num_rows",))
     overhead = {}
@@ -200,4 +233,4 @@ def fit_model(shapes: list[StepShape], finished: list, gaps: list[float]) -> Ste
         if m > 0 and f > 0:
             ratios.setdefault(shape.num_rows, []).append(float(m / f))
     ratios = {rows: tuple(values) for rows, values in ratios.items()}
-    return StepTimeModel(forward, overhead, tuple(max(g, 0.0) for g in gaps), ratios, seen)
+    return StepTimeModel(forward, overhead, fit_gap(gaps), ratios, seen)

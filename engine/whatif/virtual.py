@@ -38,13 +38,12 @@ class StepShape:
 
 @dataclass(frozen=True)
 class PhaseTimes:
-    """One step's phases in seconds, as StepFinished carries them; `gap_s`: idle before the next step."""
+    """One step's phases in seconds, as StepFinished carries them."""
     schedule_s: float
     prepare_s: float
     forward_s: float
     sample_s: float
     update_s: float
-    gap_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -79,6 +78,7 @@ class VirtualEngine:
         self._stops_at: dict[str, int] = {}        # output length at which a `stop` request samples stop
         self._pending_mode: str | None = None
         self.shapes: list[StepShape] = []
+        self.num_retired_last = 0                  # requests the last step finished
 
     def _emit(self, event_type, **fields) -> None:
         if self._sink is not None:
@@ -161,6 +161,7 @@ class VirtualEngine:
         self.batch.append_tokens(sampled, token_ids)
         sampled_at = start + phases.schedule_s + phases.prepare_s + phases.forward_s + phases.sample_s
         result = self.scheduler.update_from_output(batch_step.rows, sampled, token_ids, sampled_at)
+        self.num_retired_last = sum(token.finish_reason is not None for token in result.sampled)
         self.now = start + phases.total_s
         executed = _Executed(sampled, token_ids, int(batch_step.query_lens.sum()))
         self.events.finished(self.step_count, batch_step, executed, result,

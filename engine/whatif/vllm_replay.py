@@ -25,7 +25,7 @@ from batchtop.telemetry.events import event_from_dict
 
 from .grid import Run, WhatIf, points, run_of
 from .recording import VLLM_KNOBS, Recording
-from .replay import Identity, recorded_phases, signatures
+from .replay import Identity, recorded_gaps, recorded_phases, signatures
 from .steptime import StepTimeModel, fit_model
 from .virtual import StepShape
 
@@ -155,11 +155,7 @@ def fit_through_harness(rec: Recording, shapes: list[StepShape]) -> StepTimeMode
     """steptime.py's fit on the identity replay's shapes, paired with the recorded steps in order."""
     finished = sorted(rec.steps, key=lambda e: e.step)
     pairs = list(zip(shapes, finished))
-    gaps = []
-    for before, after in zip(finished, finished[1:]):
-        if before.num_running + before.num_waiting > 0 and after.step == before.step + 1:
-            gaps.append(after.t - recorded_phases(after).total_s - before.t)
-    return fit_model([s for s, _ in pairs], [e for _, e in pairs], gaps)
+    return fit_model([s for s, _ in pairs], [e for _, e in pairs], recorded_gaps(rec))
 
 
 def predict_through_harness(rec: Recording, model: StepTimeModel, harness: HarnessProcess, changed: dict,

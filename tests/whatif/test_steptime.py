@@ -26,8 +26,13 @@ def test_the_fit_recovers_a_known_law_within_two_percent(synthetic):
         assert coef[name] == pytest.approx(true, rel=0.02), name
     for shape in identity.engine.shapes:
         assert model(shape).forward_s == pytest.approx(linear_law(shape).forward_s, rel=0.02)
-    assert model.gap_s == pytest.approx(3e-4, rel=0.02)
     assert model.overhead["prepare_s"][1] == pytest.approx(1e-5, rel=0.02)
+
+
+def test_the_gap_law_between_steps_is_recovered(synthetic):
+    gap = fit_steps(synthetic, replay_identity(synthetic)).gap
+    for fitted, true in zip(gap.coef, (150e-6, 250e-6, 60e-6)):
+        assert fitted == pytest.approx(true, rel=0.02)
 
 
 def test_the_law_is_chosen_by_held_out_error_not_by_its_size():

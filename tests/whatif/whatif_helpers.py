@@ -52,9 +52,10 @@ def record_engine(loaded, *, steps: int = 300, seed: int = 0, knob_plan=(), abor
 
 
 def synthetic_recording(law, *, num_requests: int = 120, rate: float = 40.0, seed: int = 0, num_kv_blocks=64,
-                        abort_share: float = 0.05, **knobs) -> Recording:
-    """A recording made by the virtual engine itself, each step's phases from `law(shape)`: a run whose
-    true step-time law is known. Some requests stop early, some are aborted."""
+                        abort_share: float = 0.05, gap=None, **knobs) -> Recording:
+    """A recording made by the virtual engine itself, each step's phases from `law(shape)` and the gap
+    before it from `gap(num_arrived, num_retired)` (default `linear_gap`): a run whose true step-time
+    and gap laws are known. Some requests stop early, some are aborted."""
     settings = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "long_prefill_token_threshold": 0,
                 "batching_mode": "continuous", "static_batch_size": 4, "dynamic_timeout_s": 0.5,
                 "preemption_mode": "recompute"}
@@ -76,7 +77,7 @@ def synthetic_recording(law, *, num_requests: int = 120, rate: float = 40.0, see
             items.append(TraceRequest(f"q{i}", t, rng.randint(1, 60), max_tokens, 0, max_tokens, "length",
                                       None))
     bare = Recording("<synthetic>", {}, [], 0.0, items, setup)
-    _, events = run_whatif(bare, settings, law)
+    _, events = run_whatif(bare, settings, law, gap=linear_gap if gap is None else gap)
     header = make_header("synthetic", settings, engine=setup.to_dict())
     return recording_from(header, events, "<synthetic>")
 
@@ -84,7 +85,12 @@ def synthetic_recording(law, *, num_requests: int = 120, rate: float = 40.0, see
 def linear_law(shape: StepShape) -> PhaseTimes:
     """A known step-time law: 2 ms + 30 us a prefill token + 400 us a decode row + 2 us a context token."""
     forward = 2e-3 + 30e-6 * shape.prefill_tokens + 400e-6 * shape.decode_rows + 2e-6 * shape.context_tokens
-    return PhaseTimes(1e-4, 2e-4 + 1e-5 * shape.num_rows, forward, 1e-4, 5e-5, gap_s=3e-4)
+    return PhaseTimes(1e-4, 2e-4 + 1e-5 * shape.num_rows, forward, 1e-4, 5e-5)
+
+
+def linear_gap(num_arrived: int, num_retired: int) -> float:
+    """A known gap law between steps: 150 us + 250 us an arrival taken in + 60 us a retirement."""
+    return 150e-6 + 250e-6 * num_arrived + 60e-6 * num_retired
 
 
 def write_recording(path, rec, events=None):
