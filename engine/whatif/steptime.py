@@ -4,9 +4,12 @@ The forward pass is fitted on what each step computed (`StepShape`: prefill toke
 context tokens read, prefill attention work) by several linear laws with non-negative coefficients,
 each fitted to minimise the relative error (robust to steps slowed by other work on the machine);
 the law with the lowest held-out error (MAPE over 5 interleaved folds) wins and is refitted on every
-step. A predicted forward time is the law times a slowdown drawn (seeded) from the recording's own
-ratios of measured to fitted time at the same number of rows: a shared machine slows some steps
-many-fold, and queues grow with the mean step, not the typical one. The other phases (schedule,
+step. A predicted forward time is the law times the recording's own ratio of measured to fitted time,
+split in two (`Slowdown`): a factor per number of rows (where the law misfits a batch size), and
+the machine's load over time, drawn (seeded) from the recorded steps nearest the step's start on
+the virtual clock: a shared machine slows some steps many-fold and whole stretches of a run
+two-fold, queues grow with the mean step, not the typical one, and a what-if of an incident keeps
+the incident's moments of load where they were. The other phases (schedule,
 prepare, sample, update) are fitted linear in the rows. The gap between back-to-back steps (the
 loop's own time: the finished requests handed out, the new arrivals taken in) is a `GapLaw` linear in
 the arrivals and retirements, fitted to the recorded gaps by least squares (their mean: a queue
@@ -15,6 +18,7 @@ extrapolated, with how far.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from dataclasses import dataclass, field
@@ -31,6 +35,9 @@ LAWS: dict[str, tuple[str, ...]] = {
     "prefill+decode+context+attention": ("prefill_tokens", "decode_rows", "context_tokens",
                                          "prefill_attention"),
 }
+# a step's load is drawn from this many recorded steps either side: few, since a wider window borrows
+# fast steps into the start of a slow stretch (more time) than slow ones into a fast one
+LOAD_WINDOW_STEPS = 4
 EXTRAPOLATION_MARGIN = 1.1        # a feature up to 10% beyond the recorded maximum still counts as seen
 NUM_FOLDS = 5
 MIN_STEPS = 10
@@ -151,13 +158,52 @@ def fit_gap(samples: list[GapSample]) -> GapLaw:
     return GapLaw((float(a), float(per_arrival), float(per_retirement)), float(y.mean()))
 
 
+@dataclass(frozen=True)
+class Slowdown:
+    """The recorded forward time over the law's: `by_rows[n]` the mean ratio of the steps of n rows,
+    `load[k]` the rest of recorded step k's ratio (its ratio / `by_rows` of its rows), the steps in
+    the order of their `starts` (seconds since the recording's first event)."""
+    by_rows: dict[int, float]
+    starts: tuple[float, ...]
+    load: tuple[float, ...]
+    mean: float                      # the mean ratio over every step
+
+    def draw(self, rng: random.Random, num_rows: int, start_s: float) -> float:
+        """A step of `num_rows` rows starting at `start_s`: its rows' factor times the load of a recorded
+        step near that moment (any recorded step past the recording's end)."""
+        if not self.load:
+            return 1.0
+        factor = self.by_rows.get(num_rows)
+        if factor is None:
+            factor = self.by_rows[min(self.by_rows, key=lambda rows: abs(rows - num_rows))]
+        if start_s > self.starts[-1]:
+            return factor * self.load[rng.randrange(len(self.load))]
+        k = bisect.bisect_left(self.starts, start_s)
+        lo, hi = max(0, k - LOAD_WINDOW_STEPS), min(len(self.load), k + LOAD_WINDOW_STEPS)
+        return factor * self.load[rng.randrange(lo, hi)]
+
+
+def fit_slowdown(shapes: list[StepShape], measured: list[float], law: Law) -> Slowdown:
+    steps = sorted((shape.start_s, shape.num_rows, m / f) for shape, m in zip(shapes, measured)
+                   if m > 0 and (f := law.predict(shape)) > 0)
+    if not steps:
+        return Slowdown({}, (), (), 1.0)
+    by_rows: dict[int, list[float]] = {}
+    for _, rows, ratio in steps:
+        by_rows.setdefault(rows, []).append(ratio)
+    factors = {rows: float(np.mean(ratios)) for rows, ratios in by_rows.items()}
+    return Slowdown(factors, tuple(t for t, _, _ in steps),
+                    tuple(ratio / factors[rows] for _, rows, ratio in steps),
+                    float(np.mean([ratio for _, _, ratio in steps])))
+
+
 @dataclass
 class StepTimeModel:
     """Predicted phases of a step; counts the steps it had to extrapolate."""
     forward: Law
     overhead: dict[str, tuple[float, float]]    # phase: (intercept, per row)
     gap: GapLaw                                  # the loop's time between two steps
-    ratios: dict[int, tuple[float, ...]]         # rows: recorded forward time / the law's, per step
+    slowdown: Slowdown                           # recorded forward time / the law's
     seen: dict[str, float]                       # the recorded maximum of each feature
     seed: int = 0
     num_predicted: int = 0
@@ -174,8 +220,7 @@ class StepTimeModel:
 
     @property
     def mean_slowdown(self) -> float:
-        every = [r for ratios in self.ratios.values() for r in ratios]
-        return float(np.mean(every)) if every else 1.0
+        return self.slowdown.mean
 
     def __call__(self, shape: StepShape) -> PhaseTimes:
         self.num_predicted += 1
@@ -188,20 +233,13 @@ class StepTimeModel:
                 self.max_beyond[name] = max(self.max_beyond.get(name, 0.0), ratio)
         self.num_extrapolated += beyond
         over = {phase: a + b * shape.num_rows for phase, (a, b) in self.overhead.items()}
-        forward = max(self.forward.predict(shape), 0.0) * self._slowdown(shape.num_rows)
+        forward = max(self.forward.predict(shape), 0.0) * self.slowdown.draw(self._rng, shape.num_rows,
+                                                                            shape.start_s)
         return PhaseTimes(over["schedule_s"], over["prepare_s"], forward, over["sample_s"], over["update_s"])
-
-    def _slowdown(self, num_rows: int) -> float:
-        if not self.ratios:
-            return 1.0
-        ratios = self.ratios.get(num_rows)
-        if ratios is None:
-            ratios = self.ratios[min(self.ratios, key=lambda rows: abs(rows - num_rows))]
-        return self._rng.choice(ratios)
 
     def fresh(self) -> StepTimeModel:
         """The same model with its counts at zero (one per what-if run)."""
-        return StepTimeModel(self.forward, self.overhead, self.gap, self.ratios, self.seen, self.seed)
+        return StepTimeModel(self.forward, self.overhead, self.gap, self.slowdown, self.seen, self.seed)
 
     def extrapolation(self) -> str | None:
         """None when every predicted step lay within the recording's shapes."""
@@ -226,11 +264,5 @@ def fit_model(shapes: list[StepShape], finished: list, gaps: list[GapSample]) ->
         overhead[phase] = (float(a), float(b))
     seen = {name: float(max(feature(s, name) for s in shapes))
             for name in ("num_rows", "prefill_tokens", "decode_rows", "context_tokens")}
-    measured = np.asarray([e.forward_s for e in finished])
-    fitted = np.asarray([forward.predict(s) for s in shapes])
-    ratios: dict[int, list[float]] = {}
-    for shape, m, f in zip(shapes, measured, fitted):
-        if m > 0 and f > 0:
-            ratios.setdefault(shape.num_rows, []).append(float(m / f))
-    ratios = {rows: tuple(values) for rows, values in ratios.items()}
-    return StepTimeModel(forward, overhead, fit_gap(gaps), ratios, seen)
+    slowdown = fit_slowdown(shapes, [e.forward_s for e in finished], forward)
+    return StepTimeModel(forward, overhead, fit_gap(gaps), slowdown, seen)

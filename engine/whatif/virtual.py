@@ -34,6 +34,7 @@ class StepShape:
     decode_rows: int             # decode and padding rows (one token each)
     context_tokens: int          # sum of the rows' sequence lengths: KV read by attention
     prefill_attention: int       # sum over prefill rows of chunk x sequence length
+    start_s: float = 0.0         # when it began on the virtual clock (the machine's load then)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class VirtualEngine:
             return None
         self.step_count += 1
         batch_step = self.batch.apply(plan, self.kv)
-        shape = _shape(batch_step)
+        shape = _shape(batch_step, start)
         phases = times(shape)
         self.shapes.append(shape)
         self.now = start + phases.schedule_s
@@ -176,7 +177,7 @@ class VirtualEngine:
         return STOP_TOKEN if last else OUTPUT_TOKEN
 
 
-def _shape(batch_step: BatchStep) -> StepShape:
+def _shape(batch_step: BatchStep, start: float) -> StepShape:
     prefill_tokens = decode_rows = context = attention = 0
     for row, start, num_tokens in zip(batch_step.rows, batch_step.starts.tolist(),
                                       batch_step.query_lens.tolist()):
@@ -187,4 +188,4 @@ def _shape(batch_step: BatchStep) -> StepShape:
         else:
             prefill_tokens += num_tokens
             attention += num_tokens * seq_len
-    return StepShape(len(batch_step.rows), prefill_tokens, decode_rows, context, attention)
+    return StepShape(len(batch_step.rows), prefill_tokens, decode_rows, context, attention, start)
