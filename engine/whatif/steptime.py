@@ -38,6 +38,7 @@ LAWS: dict[str, tuple[str, ...]] = {
 # a step's load is drawn from this many recorded steps either side: few, since a wider window borrows
 # fast steps into the start of a slow stretch (more time) than slow ones into a fast one
 LOAD_WINDOW_STEPS = 4
+LOAD_SMOOTH_STEPS = 25           # the machine's load at a step: the mean ratio of this many steps either side
 EXTRAPOLATION_MARGIN = 1.1        # a feature up to 10% beyond the recorded maximum still counts as seen
 NUM_FOLDS = 5
 MIN_STEPS = 10
@@ -160,9 +161,9 @@ def fit_gap(samples: list[GapSample]) -> GapLaw:
 
 @dataclass(frozen=True)
 class Slowdown:
-    """The recorded forward time over the law's: `by_rows[n]` the mean ratio of the steps of n rows,
-    `load[k]` the rest of recorded step k's ratio (its ratio / `by_rows` of its rows), the steps in
-    the order of their `starts` (seconds since the recording's first event)."""
+    """The recorded forward time over the law's: `by_rows[n]` the factor of n rows over the machine's
+    load, `load[k]` the rest of recorded step k's ratio (its ratio / `by_rows` of its rows), the
+    steps in the order of their `starts` (seconds since the recording's first event)."""
     by_rows: dict[int, float]
     starts: tuple[float, ...]
     load: tuple[float, ...]
@@ -184,17 +185,23 @@ class Slowdown:
 
 
 def fit_slowdown(shapes: list[StepShape], measured: list[float], law: Law) -> Slowdown:
+    """The machine's load first (the mean ratio of the steps around each, whatever their rows), then each
+    number of rows' factor on top of it: an overloaded recording runs few rows only at its quiet
+    moments, and their ratio is the moment's, not the rows'."""
     steps = sorted((shape.start_s, shape.num_rows, m / f) for shape, m in zip(shapes, measured)
                    if m > 0 and (f := law.predict(shape)) > 0)
     if not steps:
         return Slowdown({}, (), (), 1.0)
+    ratios = np.asarray([ratio for _, _, ratio in steps])
+    width = 2 * LOAD_SMOOTH_STEPS + 1
+    padded = np.pad(ratios, LOAD_SMOOTH_STEPS, mode="edge")
+    around = np.convolve(padded, np.ones(width) / width, mode="valid")
     by_rows: dict[int, list[float]] = {}
-    for _, rows, ratio in steps:
-        by_rows.setdefault(rows, []).append(ratio)
-    factors = {rows: float(np.mean(ratios)) for rows, ratios in by_rows.items()}
+    for (_, rows, _), ratio, local in zip(steps, ratios, around):
+        by_rows.setdefault(rows, []).append(ratio / local)
+    factors = {rows: float(np.mean(values)) for rows, values in by_rows.items()}
     return Slowdown(factors, tuple(t for t, _, _ in steps),
-                    tuple(ratio / factors[rows] for _, rows, ratio in steps),
-                    float(np.mean([ratio for _, _, ratio in steps])))
+                    tuple(ratio / factors[rows] for _, rows, ratio in steps), float(ratios.mean()))
 
 
 @dataclass
