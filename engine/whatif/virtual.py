@@ -177,7 +177,7 @@ class VirtualEngine:
         return STOP_TOKEN if last else OUTPUT_TOKEN
 
 
-def _shape(batch_step: BatchStep, start: float) -> StepShape:
+def _shape(batch_step: BatchStep, start_s: float) -> StepShape:
     prefill_tokens = decode_rows = context = attention = 0
     for row, start, num_tokens in zip(batch_step.rows, batch_step.starts.tolist(),
                                       batch_step.query_lens.tolist()):
@@ -188,4 +188,4 @@ def _shape(batch_step: BatchStep, start: float) -> StepShape:
         else:
             prefill_tokens += num_tokens
             attention += num_tokens * seq_len
-    return StepShape(len(batch_step.rows), prefill_tokens, decode_rows, context, attention, start)
+    return StepShape(len(batch_step.rows), prefill_tokens, decode_rows, context, attention, start_s)
