@@ -156,11 +156,12 @@ def no_model_folder() -> str:
     return folder
 
 
-def build_scheduler(limits: Limits, kind: str = "vllm", model: str | None = None):
+def build_scheduler(limits: Limits, kind: str = "vllm", model: str | None = None, *, endpoint: bool = False):
     """vLLM's scheduler (or batchtop's subclass) over `model`'s config.json (default: a made-up
     Llama config), on the CPU, with a pool of `limits.num_blocks` blocks. Under batchtop's class
     its observer and command queue run (events in `scheduler.batchtop_events`, knobs through
-    `control.set_knob(scheduler, ...)`), never its side endpoint."""
+    `control.set_knob(scheduler, ...)`); its side endpoint only with `endpoint=True` (started on
+    $BATCHTOP_EVENTS_PORT as inside a server)."""
     model_config = ModelConfig(
         model=model or no_model_folder(),
         skip_tokenizer_init=True,
@@ -208,7 +209,7 @@ def build_scheduler(limits: Limits, kind: str = "vllm", model: str | None = None
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=limits.block_size,
-        **({"batchtop_endpoint": False} if kind == "batchtop" else {}),
+        **({"batchtop_endpoint": endpoint} if kind == "batchtop" else {}),
     )
 
 

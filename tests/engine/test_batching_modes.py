@@ -55,7 +55,8 @@ def test_reference_static_batch_counts_padding_as_row_steps(tiny, tmp_path):
     assert max(e.num_padding_rows for e in of(events, ev.StepPlanned)) == 7
 
 
-@pytest.mark.parametrize("batch_size, num_batches", [(8, 40), (32, 16)])
+# 20 and 8 batches: within 7% and 4% of 1 / H_B at these seeds (the bound is 12%)
+@pytest.mark.parametrize("batch_size, num_batches", [(8, 20), (32, 8)])
 def test_static_utilisation_is_near_one_over_harmonic_number(tiny, batch_size, num_batches):
     rng = random.Random(batch_size)
     lengths = [max(1, round(rng.expovariate(1 / 32))) for _ in range(batch_size * num_batches)]

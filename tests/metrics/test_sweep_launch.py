@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 
 from metrics_helpers import skip_without_vllm, stock_vllm_options
 
 from batchtop.tui.cli import main
 
 SWEEP_PORT = 8220
+NUM_PROMPTS, OUTPUT_LEN = 4, 8
 
 
 def group_gone(pgid: int) -> bool:
@@ -36,27 +38,36 @@ def test_a_server_that_does_not_start_is_reported_and_the_sweep_goes_on(tmp_path
         assert f"no server for {p['max_num_seqs']} seqs" in printed
 
 
-def test_sweep_over_a_real_vllm_measures_both_points_and_leaves_nothing(tmp_path, capsys):
+def test_sweep_over_a_real_vllm_measures_its_point_and_leaves_nothing(tmp_path, capsys):
+    """One point on a real vLLM (the sweep over several values, each its own server: the test above). It
+    runs batchtop's class with its side endpoint's port taken, so it also shows vLLM serving on when
+    batchtop's part cannot start (that part under vLLM's real scheduler: test_vllm_harness.py)."""
     skip_without_vllm()
-    from batchtop.engine.vllm.launch import shell_line
-    line = shell_line(stock_vllm_options(SWEEP_PORT, max_num_seqs=8))
-    template = line.replace("--max-num-seqs 8", "--max-num-seqs {max_num_seqs}").replace(
-        f"--port {SWEEP_PORT}", "--port {port}")
-    out = tmp_path / "sweep.json"
-    rc = main(["sweep", "--launch", template, "--max-num-seqs", "1,4", "--base-url", f"http://127.0.0.1:{SWEEP_PORT}",
-               "--num-prompts", "4", "--random-input-len", "64", "--random-output-len", "8",
-               "--startup-timeout", "300", "--save-result", str(out), "--no-color"])
+    from batchtop.engine.vllm.launch import SCHEDULER_CLS, shell_line
+    log = tmp_path / "vllm.log"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        line = shell_line(stock_vllm_options(SWEEP_PORT, max_num_seqs=8, scheduler_cls=SCHEDULER_CLS,
+                                             events_port=taken.getsockname()[1]))
+        template = line.replace("--max-num-seqs 8", "--max-num-seqs {max_num_seqs}").replace(
+            f"--port {SWEEP_PORT}", "--port {port}") + f" > {shlex.quote(str(log))} 2>&1"
+        out = tmp_path / "sweep.json"
+        rc = main(["sweep", "--launch", template, "--max-num-seqs", "1", "--base-url",
+                   f"http://127.0.0.1:{SWEEP_PORT}", "--num-prompts", str(NUM_PROMPTS), "--random-input-len",
+                   "64", "--random-output-len", str(OUTPUT_LEN), "--startup-timeout", "300",
+                   "--save-result", str(out), "--no-color"])
     printed = capsys.readouterr().out
-    points = json.loads(out.read_text())
-    assert rc == 0, printed
-    assert [p["max_num_seqs"] for p in points] == [1, 4]
-    for p in points:
-        assert p["completed"] == 4 and p["output_throughput"] > 0
-        assert p["preemptions"] is not None and p["steps"] > 0
-        assert not p["left_running"] and group_gone(p["server_pgid"])
-    # one row at a time takes a step per output token: more steps than four rows at a time
-    assert points[0]["steps"] > points[1]["steps"]
+    text = log.read_text()
+    [point] = json.loads(out.read_text())
+    assert rc == 0, printed + text[-3000:]
+    assert point["max_num_seqs"] == 1 and "--max-num-seqs 1" in point["command"]
+    assert point["completed"] == NUM_PROMPTS and point["output_throughput"] > 0
+    # one row at a time: a step per output token (the prompt's step makes the first), no more
+    assert point["preemptions"] == 0 and point["steps"] == NUM_PROMPTS * OUTPUT_LEN, point
+    assert not point["left_running"] and group_gone(point["server_pgid"])
     assert "preempt" in printed and "max_num_seqs" in printed
+    assert "batchtop: could not start; vLLM goes on without it" in text and "Address already in use" in text
 
 
 def test_the_metrics_tests_skip_with_the_reason_make_setup_left(tmp_path, monkeypatch):

@@ -314,8 +314,13 @@ def budget_scenario() -> dict:
 
 
 def failure_scenario(async_scheduling: bool) -> dict:
-    """vLLM's stock class, batchtop's class, and batchtop's class whose part fails at step 300
-    (injected): the same steps, the same request outcomes; the failure's reason is kept."""
+    """vLLM's stock class, batchtop's class, batchtop's class whose part fails at step 300 (injected)
+    and batchtop's class whose side endpoint cannot start (its port is taken, as inside a server): the
+    same steps, the same request outcomes; each failure's reason is kept and the start failure logged."""
+    import logging
+    import os
+    import socket
+
     limits = Limits(
         max_num_seqs=16,
         max_num_batched_tokens=256,
@@ -324,8 +329,8 @@ def failure_scenario(async_scheduling: bool) -> dict:
         async_scheduling=async_scheduling,
     )
 
-    def run(kind: str, fail_at: int | None):
-        s = build_scheduler(limits, kind)
+    def run(kind: str, fail_at: int | None, endpoint: bool = False):
+        s = build_scheduler(limits, kind, endpoint=endpoint)
         h = Harness(s, random_trace(random.Random(5), 160, rate=8.0))
         if fail_at is not None:
 
@@ -349,6 +354,20 @@ def failure_scenario(async_scheduling: bool) -> dict:
     _, stock_steps, stock_outcome = run("vllm", None)
     _, ours_steps, ours_outcome = run("batchtop", None)
     broken, broken_steps, broken_outcome = run("batchtop", 300)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("vllm.batchtop.engine.vllm.scheduler")
+    logger.addHandler(handler)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        os.environ["BATCHTOP_EVENTS_PORT"] = str(taken.getsockname()[1])
+        try:
+            unstarted, unstarted_steps, unstarted_outcome = run("batchtop", None, endpoint=True)
+        finally:
+            del os.environ["BATCHTOP_EVENTS_PORT"]
+            logger.removeHandler(handler)
     failures = []
     if ours_steps != stock_steps or ours_outcome != stock_outcome:
         failures.append("batchtop's class scheduled differently from vLLM's own")
@@ -363,11 +382,18 @@ def failure_scenario(async_scheduling: bool) -> dict:
         failures.append(f"batchtop_failure is {broken.batchtop_failure!r}")
     if ours_steps and build_scheduler(limits, "batchtop").batchtop_failure is not None:
         failures.append("a working batchtop class has a batchtop_failure")
+    if unstarted_steps != stock_steps or unstarted_outcome != stock_outcome:
+        failures.append("with batchtop's side endpoint not started, vLLM scheduled differently from stock")
+    if unstarted.batchtop_observer is not None or unstarted.batchtop_endpoint is not None:
+        failures.append("batchtop's part still runs after its side endpoint could not start")
+    if "batchtop: could not start; vLLM goes on without it" not in logged:
+        failures.append(f"the start failure was not logged: {logged}")
     return {
         "counts": {
             "steps": len(stock_steps),
             "preemptions": sum(len(p) for _, p, _ in stock_steps),
             "failure": reason,
+            "start_failure": unstarted.batchtop_failure,
         },
         "failures": failures,
     }

@@ -1,15 +1,9 @@
-"""The part of batchtop that runs inside vLLM: its event order under async scheduling, and a failure
-of its own that vLLM survives (the version gate and the check: test_vllm_harness.py)."""
+"""The part of batchtop that runs inside vLLM: its event order under async scheduling (a failure of its own
+that vLLM survives, the version gate and the check: test_vllm_harness.py)."""
 from __future__ import annotations
 
-import socket
 from types import SimpleNamespace
 
-import httpx
-import pytest
-from vllm_helpers import START_TIMEOUT_S, options, skip_reason
-
-from batchtop.engine.vllm.launch import launch_vllm
 from batchtop.engine.vllm.observer import StepObserver
 from batchtop.telemetry import events as ev
 
@@ -56,25 +50,3 @@ def test_under_async_scheduling_the_stream_reads_plan_finish_plan_with_steps_in_
     planned = [e for e in events if isinstance(e, ev.StepPlanned)]
     assert (planned[0].prefill_tokens, planned[0].decode_tokens) == (4, 0)
     assert (planned[1].prefill_tokens, planned[1].decode_tokens) == (0, 1)     # the placeholder's decode row
-
-
-def test_vllm_keeps_serving_when_batchtops_part_fails_to_start(tmp_path):
-    """The event port is taken: batchtop logs why and switches itself off; vLLM serves on."""
-    if skip_reason():
-        pytest.skip(f"no vLLM here: {skip_reason()}")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        server = launch_vllm(options(port=8115, events_port=port), log_path=tmp_path / "vllm.log")
-        try:
-            server.wait_healthy(START_TIMEOUT_S)
-            answer = httpx.post(f"{server.url}/v1/completions", timeout=120,
-                                json={"model": "smollm2", "prompt": "Hello", "max_tokens": 4,
-                                      "temperature": 0})
-            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
-        finally:
-            server.stop()
-    log = (tmp_path / "vllm.log").read_text()
-    assert "batchtop: could not start; vLLM goes on without it" in log
-    assert "Address already in use" in log

@@ -38,10 +38,15 @@ def test_the_budget_and_the_chunk_threshold_lowered_live_bound_every_later_step(
 
 @pytest.mark.parametrize("scenario", ["failure", "failure_async"])
 def test_a_failure_in_batchtops_part_leaves_vllms_scheduling_as_stock_and_says_why(checked, scenario):
+    """A fault in a step, and a side endpoint that cannot start (its port taken): vLLM schedules on as
+    its own class would, batchtop's part is off with the reason, the start failure is logged (a server
+    that serves on with it: test_sweep_launch.py)."""
     result = checked[scenario]
     assert result["failures"] == []
     assert result["counts"]["preemptions"] > 0
     assert "injected fault" in result["counts"]["failure"]
+    assert "could not start" in result["counts"]["start_failure"]
+    assert "Address already in use" in result["counts"]["start_failure"]
 
 
 def test_an_untested_vllm_version_is_refused_naming_the_tested_ones_and_the_override(checked):
