@@ -13,7 +13,7 @@ from batchtop.engine.core.loop import EngineLoop
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry.bus import EventBus
 from batchtop.tui.app import BatchtopApp
-from batchtop.tui.sources import EngineSource
+from batchtop.tui.sources.engine import EngineSource
 
 pytestmark = pytest.mark.asyncio
 
@@ -92,7 +92,7 @@ async def test_abort_selected_request_after_confirmation(source):
         barrier(source)
         app.tick()
         await pilot.pause()
-        app.table.selected = ids[1]
+        app.dashboard.table.selected = ids[1]
         await pilot.press("a", "n")                    # declined: nothing happens
         barrier(source)
         assert not source.engine.requests[ids[1]].finished
