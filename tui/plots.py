@@ -117,7 +117,7 @@ def build_plot(name: str, model: DashboardModel, window_s: float, width: int, he
 
 
 class PlotPanel(Static):
-    """One plot; `redraw()` rebuilds it (the app calls it at a low rate, plotting is not free)."""
+    """One plot; `redraw()` rebuilds it (the dashboard calls it at a low rate, plotting is not free)."""
 
     def __init__(self, name: str, **kwargs):
         super().__init__(**kwargs)

@@ -96,9 +96,9 @@ class RequestTable(Static):
         self._ids: list[str] = []
 
     def sorted_requests(self) -> list[RequestView]:
-        app = self.app
-        model: DashboardModel = app.model
-        now = app.now() or 0.0
+        dash = self.screen
+        model: DashboardModel = dash.model
+        now = dash.now() or 0.0
         column = COLUMNS[self.sort_column]
         rows = model.requests(self.show_finished)
         tie = COLUMNS[0]
@@ -116,9 +116,9 @@ class RequestTable(Static):
         self.refresh()
 
     def render(self) -> Text:
-        app = self.app
-        model: DashboardModel = app.model
-        now = app.now() or 0.0
+        dash = self.screen
+        model: DashboardModel = dash.model
+        now = dash.now() or 0.0
         rows = self.sorted_requests()
         self._ids = [r.request_id for r in rows]
         if self.selected not in self._ids:
@@ -210,7 +210,7 @@ class EventLogView(Static):
         return " ".join(parts)
 
     def render(self) -> Text:
-        model: DashboardModel = self.app.model
+        model: DashboardModel = self.screen.model
         events = self.frozen if self.frozen is not None else model.log
         wanted = max(1, self.size.height - 1)
         skip = self.scroll_back

@@ -1,6 +1,6 @@
 """Panels that draw the view model: header, slot grid, KV pool, request timeline.
 
-Each widget reads `self.app.model` (a DashboardModel) in `render()`; the app calls
+Each widget reads `self.screen.model` (a DashboardModel) in `render()`; the dashboard screen calls
 `refresh()` on the visible ones once per tick. Nothing here mutates the model.
 """
 from __future__ import annotations
@@ -41,12 +41,12 @@ class HeaderBar(Static):
     admission now."""
 
     def render(self) -> Text:
-        app = self.app
-        model: DashboardModel = app.model
-        source = app.source
+        dash = self.screen
+        model: DashboardModel = dash.model
+        source = dash.source
         meta = source.meta
         knobs = model.knobs
-        rates = model.rates.rates(app.now())
+        rates = model.rates.rates(dash.now())
         state = source.status()
         style = "bold black on yellow" if "paused" in state else "bold black on green"
         line = Text()
@@ -94,23 +94,23 @@ class SlotGrid(Static):
 
     def wanted_height(self, width: int) -> int:
         """Lines needed at `width`: title, grid rows (two-column cells when they fit), legend."""
-        num_slots = self.app.model.num_grid_slots()
+        num_slots = self.screen.model.num_grid_slots()
         per_row = max(1, (width - 2) // 2)
         return 1 + max(1, -(-num_slots // per_row)) + self._legend(width - 2, self._kinds()).count("\n") + 1
 
     def _kinds(self) -> list[str]:
         """The legend's kinds: graph padding only once a step was padded (never on the CPU)."""
-        return [kind for kind in SLOT_KINDS if kind != "graph" or self.app.model.graph_padding_seen]
+        return [kind for kind in SLOT_KINDS if kind != "graph" or self.screen.model.graph_padding_seen]
 
     def render(self) -> Text:
-        model: DashboardModel = self.app.model
+        model: DashboardModel = self.screen.model
         width = max(8, self.size.width)
         num_slots = model.num_grid_slots()
         legend = self._legend(width, self._kinds())
         rows_free = max(1, self.size.height - legend.count("\n") - 2)
         cell = 2 if num_slots * 2 <= width * rows_free else 1
         per_row = max(1, width // cell)
-        is_mirror = self.app.source.meta.get("slots") == "mirrored"
+        is_mirror = self.screen.source.meta.get("slots") == "mirrored"
         mirrored = " (mirrored from vLLM's input batch)" if is_mirror else ""
         text = Text(f"batch{mirrored} {model.num_occupied_span}/{num_slots} slots"
                     f"  padding {model.num_padding_rows}", style="bold")
@@ -184,7 +184,7 @@ class KvPanel(Static):
     """The KV pool: gauge, history sparkline, blocks held per running request."""
 
     def render(self) -> Text:
-        model: DashboardModel = self.app.model
+        model: DashboardModel = self.screen.model
         width = max(10, self.size.width)
         text = Text("KV pool ", style="bold")
         text.append(f"{model.kv_used}/{model.kv_total} blocks {model.kv_pct:.0f}%")
@@ -217,13 +217,13 @@ class TimelineView(Static):
     """The selected request's life: arrived, admitted, chunks, first token, preempted, retired."""
 
     def render(self) -> Text:
-        app = self.app
-        model: DashboardModel = app.model
-        request_id = app.selected_request
+        dash = self.screen
+        model: DashboardModel = dash.model
+        request_id = dash.selected_request
         req = model.request(request_id) if request_id else None
         if req is None:
             return Text("timeline: select a request in the table (↑/↓, enter)", style="bright_black")
-        now = app.now() or 0.0
+        now = dash.now() or 0.0
         text = Text(f"{req.request_id}", style="bold")
         text.append(f"  {req.state}  slot {req.slot if req.slot >= 0 else '-'}  out {req.num_output_tokens}"
                     f"  TTFT {fmt_seconds(req.ttft_s)}  age {fmt_seconds(req.age_s(now))}"

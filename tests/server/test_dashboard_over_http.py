@@ -19,7 +19,7 @@ from batchtop.tui.remote_source import RemoteSource
 async def answered(pilot, app, timeout_s: float = 10.0) -> None:
     """Wait for the remote's answer to the last command (it comes back as a message)."""
     deadline = time.monotonic() + timeout_s
-    while "waiting for its answer" in app.status_message and time.monotonic() < deadline:
+    while "waiting for its answer" in app.dashboard.status_message and time.monotonic() < deadline:
         await pilot.pause(0.05)
 
 
@@ -98,7 +98,8 @@ def slow_server():
 async def test_a_slow_server_never_holds_the_screen(slow_server):
     """A command goes from a worker thread: the next key is served while the server takes 2 s to answer,
     and the answer is shown when it comes."""
-    from batchtop.tui.app import VIEWS, BatchtopApp
+    from batchtop.tui.app import BatchtopApp
+    from batchtop.tui.dashboard import VIEWS
     source = RemoteSource(slow_server, backoff_s=(5.0, 5.0))
     app = BatchtopApp(source, tick_s=None)
     async with app.run_test() as pilot:
@@ -107,15 +108,15 @@ async def test_a_slow_server_never_holds_the_screen(slow_server):
         await pilot.press("space")
         await pilot.press("2")
         assert time.monotonic() - pressed < SlowControl.DELAY_S / 2
-        assert app.view == VIEWS[1] and "waiting for its answer" in app.status_message
+        assert app.dashboard.view == VIEWS[1] and "waiting for its answer" in app.dashboard.status_message
         assert not source.paused
         await pilot.press("space")                  # before the answer: refused, not sent again
-        assert "not answered the last command yet" in app.status_message
+        assert "not answered the last command yet" in app.dashboard.status_message
         await pilot.pause(0.3)
         assert SlowControl.posts == ["/v1/pause"]
         deadline = time.monotonic() + 10
-        while app.status_message != "the remote source answered" and time.monotonic() < deadline:
+        while app.dashboard.status_message != "the remote source answered" and time.monotonic() < deadline:
             await pilot.pause(0.05)
-        assert source.paused and app.status_message == "the remote source answered"
+        assert source.paused and app.dashboard.status_message == "the remote source answered"
         assert SlowControl.posts == ["/v1/pause"]
     source.close()

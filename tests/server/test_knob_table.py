@@ -13,7 +13,7 @@ from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.knobs import DASHBOARD_KNOBS, KNOBS, LABELS, LOAD_KNOB_ROWS, markdown_table
 from batchtop.engine.core.scheduler import SchedulerKnobs
 from batchtop.engine.workload.arrivals import LOAD_KNOBS
-from batchtop.tui import app as tui_app
+from batchtop.tui.dashboard import DashboardScreen
 
 CAPACITY = EngineConfig().batch_capacity     # the served engine's (tests/server/conftest.py)
 DOCS = Path(__file__).parents[2] / "docs" / "server.md"
@@ -86,7 +86,7 @@ def test_api_lists_every_knob_with_its_range(http):
 def test_dashboard_keys_set_the_tables_dashboard_knobs():
     assert DASHBOARD_KNOBS == (
         "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "batching_mode")
-    actions = " ".join(binding.action for binding in tui_app.BatchtopApp.BINDINGS)
+    actions = " ".join(binding.action for binding in DashboardScreen.BINDINGS)
     keyed = set(re.findall(r"(?:knob_step|cycle_knob)\('(\w+)'", actions))
     assert keyed & set(DASHBOARD_KNOBS) and keyed <= set(DASHBOARD_KNOBS) | set(LOAD_KNOB_ROWS)
     assert set(LOAD_KNOB_ROWS) == set(LOAD_KNOBS)

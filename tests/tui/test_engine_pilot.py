@@ -92,7 +92,7 @@ async def test_abort_selected_request_after_confirmation(source):
         barrier(source)
         app.tick()
         await pilot.pause()
-        app.table.selected = ids[1]
+        app.dashboard.table.selected = ids[1]
         await pilot.press("a", "n")                    # declined: nothing happens
         barrier(source)
         assert not source.engine.requests[ids[1]].finished

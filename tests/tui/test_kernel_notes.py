@@ -5,7 +5,8 @@ import pytest
 from tui_helpers import screen_text
 
 from batchtop.kernels import cpu
-from batchtop.tui.app import BatchtopApp, LoadingSource
+from batchtop.tui.app import BatchtopApp
+from batchtop.tui.dashboard import LoadingSource
 from batchtop.tui.sources import FeedSource
 
 
@@ -24,5 +25,5 @@ async def test_header_says_why_the_kernels_are_off():
     app = BatchtopApp(FeedSource(meta={"model": "tiny", "kernels": note}), tick_s=None)
     async with app.run_test(size=(160, 40)):
         app.tick()
-        app.refresh_views()
+        app.dashboard.refresh_views()
         assert note in screen_text(app).splitlines()[0]

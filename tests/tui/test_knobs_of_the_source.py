@@ -47,8 +47,8 @@ async def test_prompt_and_keys_offer_only_the_sources_knobs_within_its_limits():
         name, _, value = prompt.placeholder.partition("=")
         assert name == "max_num_seqs" and int(value) <= 8
         await pilot.press("escape")
-        assert app.set_knob("batching_mode", "static") is not None       # not vLLM's: refused here
-        assert app.set_knob("load_rate", 2.0) is not None
+        assert app.dashboard.set_knob("batching_mode", "static") is not None   # not vLLM's: refused here
+        assert app.dashboard.set_knob("load_rate", 2.0) is not None
         assert source.sent == []
         await pilot.press("M")                                             # at vLLM's limit: nothing sent
         assert source.sent == []
@@ -56,7 +56,7 @@ async def test_prompt_and_keys_offer_only_the_sources_knobs_within_its_limits():
         assert source.sent == [("max_num_seqs", 4)]
         await pilot.press("M")
         assert source.sent[-1] == ("max_num_seqs", 8)
-        assert app.set_knob("seqs", 6) is None                             # the label names the knob
+        assert app.dashboard.set_knob("seqs", 6) is None                   # the label names the knob
         assert source.sent[-1] == ("max_num_seqs", 6)
 
 

@@ -59,7 +59,7 @@ async def test_the_screen_shows_the_cached_column_the_cache_section_and_hit_rate
     async with app.run_test(size=(160, 48)) as pilot:
         source.push(events)
         app.tick()
-        app.refresh_views()
+        app.dashboard.refresh_views()
         await pilot.pause()
         screen = screen_text(app)
         assert "cached" in screen and "prefix cache" in screen and "cached" in screen.split("KV pool", 1)[1]

@@ -47,7 +47,7 @@ async def test_busy_stream_stays_responsive_and_bounded():
         await pilot.press("escape")
         await pilot.pause()
         text = screen_text(app)
-        num_table_rows = len(app.table.sorted_requests())
+        num_table_rows = len(app.dashboard.table.sorted_requests())
 
     model = app.model
     assert model.finished_step == STEPS_PER_S * SECONDS

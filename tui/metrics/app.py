@@ -32,7 +32,7 @@ IDLE_REDRAW_TICKS = 10
 
 
 class MetricsApp(App):
-    CSS_PATH = ["../app.tcss", "metrics.tcss"]
+    CSS_PATH = ["../dashboard.tcss", "metrics.tcss"]
     TITLE = "batchtop"
 
     BINDINGS = [
