@@ -123,6 +123,31 @@ def test_the_rules_see_a_violation():
         del MODULES["batchtop.engine.core.fake"]
 
 
+# The dashboard is written against its sources: only the engine adapter, the command modules and the
+# benchmark of the dashboard over the engine reach into batchtop.engine.
+TUI_ENGINE_SIDE = ("batchtop.tui.sources.engine", "batchtop.tui.commands", "batchtop.tui.cli",
+                   "batchtop.tui.bench")
+
+
+def dashboard_modules_reaching_the_engine() -> dict[str, list[str]]:
+    return {module: hits for module, hits in offending("batchtop.tui", ("batchtop.engine",)).items()
+            if module not in TUI_ENGINE_SIDE}
+
+
+def test_the_dashboard_imports_nothing_of_the_engine():
+    assert {"batchtop.tui.dashboard", "batchtop.tui.model", "batchtop.tui.sources.remote"} <= set(MODULES)
+    assert dashboard_modules_reaching_the_engine() == {}
+
+
+def test_the_dashboard_rule_sees_a_violation():
+    MODULES["batchtop.tui.fake_panel"] = {"batchtop.engine.core.knobs"}
+    try:
+        assert dashboard_modules_reaching_the_engine() == {
+            "batchtop.tui.fake_panel": ["batchtop.engine.core.knobs"]}
+    finally:
+        del MODULES["batchtop.tui.fake_panel"]
+
+
 PROTOCOL = "batchtop.telemetry.protocol"
 # What only the protocol package may define: one command queue, one knob type and validator, one
 # set of access rules, one server runner (a subclass of the protocol's, adding a host's state, is fine).

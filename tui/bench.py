@@ -61,7 +61,7 @@ def run_recorder_only(loaded, prompts, lengths, config, folder) -> float:
 
 def run_with_dashboard(loaded, prompts, lengths, config, folder, refresh_s: float, size=(120, 40)) -> float:
     from .app import BatchtopApp
-    from .sources import EngineSource
+    from .sources.engine import EngineSource
     bus = EventBus()
     engine = Engine(config, sink=bus.publish, loaded=loaded)
     loop = EngineLoop(engine)

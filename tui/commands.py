@@ -56,7 +56,7 @@ def add_dashboard(sub) -> None:
 
 def cmd_dashboard(args) -> int:
     from .app import BatchtopApp
-    from .sources import EngineSource
+    from .sources.engine import EngineSource
     config = engine_config(args)
     message = ""
     if args.scenario:
@@ -116,7 +116,7 @@ def add_top(sub) -> None:
 
 def cmd_top(args) -> int:
     """batchtop's own events where the server publishes them, else its /metrics (fewer panels)."""
-    from .metrics.source import MetricsSource, NotAServer, detect
+    from .sources.metrics import MetricsSource, NotAServer, detect
     try:
         kind = detect(args.url, args.api_key)
     except NotAServer as error:
@@ -124,7 +124,7 @@ def cmd_top(args) -> int:
         return 2
     if kind == "events":
         from .app import BatchtopApp
-        from .remote_source import RemoteSource
+        from .sources.remote import RemoteSource
         BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
                     refresh_s=args.refresh).run()
         return 0

@@ -11,11 +11,11 @@ network (`commands_block`) is commanded from a worker thread; its answer comes b
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Callable
 
 from textual import work
+from textual.actions import parse
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal
@@ -26,7 +26,7 @@ from textual.widgets import ContentSwitcher, Footer, Static
 from .model import DashboardModel
 from .plots import PLOT_WINDOWS_S, PLOTS, PlotPanel
 from .screens import ConfirmScreen, HelpScreen, PromptScreen
-from .sources import Source
+from .sources import LoadingSource, Source, SourceDescription
 from .tables import COLUMNS, EventLogView, RequestTable
 from .widgets import HeaderBar, KvPanel, SlotGrid, TimelineView
 
@@ -37,24 +37,27 @@ WIDE_COLUMNS = 130        # from here on the timeline sits beside the request ta
 IDLE_REDRAW_TICKS = 10     # with nothing new, redraw once a second (ages and rates move)
 
 
-class LoadingSource(Source):
-    """Stands in while the engine loads, so the screen shows progress instead of a blank."""
+# What each source-dependent action needs of the source; "knob" stands for "knob:<its first argument>".
+ACTION_ABILITIES = {"toggle_pause": "pause", "step": "step", "step_back": "step_back", "seek": "seek",
+                    "speed": "speed", "type_knob": "knobs", "knob_step": "knob", "cycle_knob": "knob",
+                    "next_scenario": "scenarios", "abort": "abort", "record": "record"}
 
-    kind = "loading"
 
-    def __init__(self, what: str):
-        super().__init__()
-        self.what = what
-        self.started = time.monotonic()
-        self.error: str | None = None
-        self.meta = {"model": what}
+def _ability(action: str, parameters: tuple) -> str | None:
+    ability = ACTION_ABILITIES.get(action)
+    return f"knob:{parameters[0]}" if ability == "knob" else ability
 
-    def status(self) -> str:
-        if self.error:
-            return f"failed: {self.error}"
-        cpu = sys.modules.get("batchtop.kernels.cpu")     # imported by the load: never import torch here
-        doing = (cpu.build_note() if cpu is not None else None) or f"loading {self.what}"
-        return f"{doing} {time.monotonic() - self.started:.0f}s"
+
+def _refusals(keys: list[Binding]) -> list[Binding]:
+    """A hidden twin per source-dependent key: it runs when the key's own action is off for this source
+    (Textual tries a key's bindings in order), and says why."""
+    twins = []
+    for binding in keys:
+        _, name, parameters = parse(binding.action)
+        ability = _ability(name, parameters)
+        if ability is not None:
+            twins.append(Binding(binding.key, f"refuse({ability!r})", binding.description, show=False))
+    return twins
 
 
 class CommandAnswered(Message):
@@ -71,12 +74,12 @@ class DashboardScreen(Screen):
 
     CSS_PATH = "dashboard.tcss"
 
-    BINDINGS = [
+    KEYS = [
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("space", "toggle_pause", "pause"),
         Binding("n,full_stop", "step", "step", key_display="n ."),
-        Binding("comma", "step_back", "step back (replay)", show=False, key_display=","),
-        Binding("g", "seek", "seek to step (replay)", show=False),
+        Binding("comma", "step_back", "step back", key_display=","),
+        Binding("g", "seek", "seek to step"),
         Binding("plus,equals_sign", "speed(True)", "replay faster", show=False, key_display="+"),
         Binding("minus", "speed(False)", "replay slower", show=False, key_display="-"),
         Binding("k", "type_knob", "knob"),
@@ -116,6 +119,7 @@ class DashboardScreen(Screen):
         Binding("escape", "back", "back to the screen below", show=False, key_display="esc"),
         Binding("q", "app.quit", "quit"),
     ]
+    BINDINGS = KEYS + _refusals(KEYS)
 
     def __init__(self, source: Source | None = None, *, source_factory: Callable[[], Source] | None = None,
                  loading_what: str = "engine", tick_s: float | None = 0.1,
@@ -125,6 +129,7 @@ class DashboardScreen(Screen):
         super().__init__()
         self._owns_source = owns_source      # closed when the screen goes (False: the caller keeps it)
         self.source: Source = source or LoadingSource(loading_what)
+        self.description: SourceDescription = self.source.describe()
         self._source_factory = source_factory
         self._tick_s = tick_s
         self._refresh_s = refresh_s
@@ -145,8 +150,26 @@ class DashboardScreen(Screen):
         self._top_height = 0
 
     def _new_model(self) -> DashboardModel:
-        knobs = dict(self.source.knobs)
-        return DashboardModel(knobs=knobs)
+        return DashboardModel(knobs=dict(self.source.knobs), scenarios=self.description.scenarios)
+
+    # -- keys from the source's description ----------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """A key whose ability the source lacks is hidden from the footer and answers why (`refuse`)."""
+        if action == "refuse":
+            return not self.description.can_do(parameters[0])
+        ability = _ability(action, parameters)
+        return ability is None or self.description.can_do(ability)
+
+    def action_refuse(self, ability: str) -> None:
+        self.say(self.description.why(ability), error=True)
+
+    def _describe(self) -> None:
+        """Read the source's description again; the footer follows when it changed (a server's hello)."""
+        description = self.source.describe()
+        if description != self.description:
+            self.description = description
+            self.refresh_bindings()
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -222,6 +245,7 @@ class DashboardScreen(Screen):
         """Switch to `source` (starting it when it has a start()) and start from an empty model."""
         if source is not self.source:
             self.source = source
+            self._describe()
             self.model = self._new_model()
         start = getattr(source, "start", None)
         if start is not None:
@@ -241,6 +265,7 @@ class DashboardScreen(Screen):
         """Drain the source into the model and refresh what is visible: the UI's only heartbeat."""
         if not self.query("#status"):     # the widgets are not composed yet, or already torn down
             return
+        self._describe()
         poll = self.source.poll()
         if poll.reset:
             self.model = self._new_model()
@@ -345,8 +370,9 @@ class DashboardScreen(Screen):
     # -- actions: engine control ---------------------------------------------------------------
 
     def action_help(self) -> None:
-        intro = f"source: {self.source.kind}" + ("  (knobs are read-only)" if self.source.read_only else "")
-        self.app.push_screen(HelpScreen(self.BINDINGS, intro))
+        """The keys this source serves, then one line per thing it cannot do and why."""
+        keys = [b for b in self.KEYS if self.check_action(*parse(b.action)[1:])]
+        self.app.push_screen(HelpScreen(keys, f"source: {self.source.kind}", self.description.refusals()))
 
     def action_toggle_pause(self) -> None:
         self.command(self.source.toggle_pause, self._answer)
@@ -378,12 +404,10 @@ class DashboardScreen(Screen):
         """Ask the source to change a knob; the refusal (a message) or None. Shown either way. A knob is
         named in full or by its label ("seqs"); only the source's own knobs are offered. Over a source
         whose commands wait on the network, None means sent: its answer is shown when it comes."""
-        offered = self.source.offered_knobs()
+        offered = self.description.knobs
         name = next((k.name for k in offered.values() if k.label == name), name)
-        if self.source.read_only:
-            error = self.source.set_knob(name, value) or "read-only"
-        elif name not in offered:
-            error = f"unknown knob {name!r} over this {self.source.kind} source; knobs: {', '.join(offered)}"
+        if name not in offered:
+            error = self.description.why(f"knob:{name}")
         else:
             answers: list[str | None] = []
 
@@ -407,10 +431,6 @@ class DashboardScreen(Screen):
         self.refresh_views()
 
     def action_type_knob(self) -> None:
-        if self.source.read_only:
-            self.say(self.source.set_knob("", None) or "read-only", error=True)
-            return
-
         def done(value: str | None) -> None:
             if not value:
                 return
@@ -419,10 +439,7 @@ class DashboardScreen(Screen):
                 self.say(f"type name=value, e.g. max_num_seqs=32 (got {value!r})", error=True)
                 return
             self.set_knob(name.strip(), raw.strip())
-        offered = self.source.offered_knobs()
-        if not offered:
-            self.say(f"this {self.source.kind} source has no knobs to set", error=True)
-            return
+        offered = self.description.knobs
         names = ", ".join(offered)
         labels = " ".join(k.label for k in offered.values())
         first = next(iter(offered.values()))
@@ -441,8 +458,7 @@ class DashboardScreen(Screen):
     def action_knob_step(self, name: str, up: bool) -> None:
         current = self.model.knobs.get(name)
         if not isinstance(current, (int, float)):
-            self.say(f"{name} is not known here" if not self.source.read_only else
-                     self.source.set_knob(name, current) or "", error=True)
+            self.say(f"{name} is not known here", error=True)
             return
         if name == "load_rate":
             new = round(current * 1.5 if current else 0.5, 2) if up else round(current / 1.5, 2)
@@ -450,7 +466,7 @@ class DashboardScreen(Screen):
             new = (current * 2 if current else 16) if up else (current // 2 if current > 16 else 0)
         else:
             new = current * 2 if up else max(1, current // 2)
-        knob = self.source.offered_knobs().get(name)
+        knob = self.description.knobs.get(name)
         high = knob.upper() if knob is not None else None
         if up and high is not None and new > high:          # vLLM's knobs end at their start values
             if current >= high:
@@ -460,18 +476,13 @@ class DashboardScreen(Screen):
         self.set_knob(name, new)
 
     def action_next_scenario(self) -> None:
-        from batchtop.engine.workload.scenarios import SCENARIOS
-        names = list(SCENARIOS)
+        names = list(self.description.scenarios)
         current = self.model.knobs.get("scenario")
         name = names[(names.index(current) + 1) % len(names)] if current in names else names[0]
-        self.say(self.source.start_scenario(name), error=self.source.read_only)
+        self.say(self.source.start_scenario(name))
 
     def action_cycle_knob(self, name: str) -> None:
-        knob = self.source.offered_knobs().get(name)
-        if knob is None:
-            self.set_knob(name, None)             # says why: unknown here, or read-only
-            return
-        choices = knob.choices
+        choices = self.description.knobs[name].choices
         current = self.model.knobs.get(name)
         new = choices[(choices.index(current) + 1) % len(choices)] if current in choices else choices[0]
         self.set_knob(name, new)
@@ -483,10 +494,6 @@ class DashboardScreen(Screen):
         if request_id is None:
             self.say("no request selected", error=True)
             return
-        if self.source.read_only:
-            self.say(self.source.abort(request_id) or "read-only", error=True)
-            return
-
         def done(yes: bool | None) -> None:
             if yes:
                 self.command(lambda: self.source.abort(request_id),
@@ -574,10 +581,6 @@ class DashboardScreen(Screen):
             path = self.source.recording
             self._answer(self.source.stop_recording(), f"recording saved to {path}")
             return
-        if self.source.read_only:
-            self.say("this source cannot record", error=True)
-            return
-
         def done(path: str | None) -> None:
             if path:
                 self._answer(self.source.start_recording(path), f"recording to {path}")

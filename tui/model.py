@@ -18,9 +18,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Mapping
 
-from batchtop.engine.core.admission import NEXT_STEP, WaitClock
-from batchtop.engine.workload.scenarios import SCENARIOS
 from batchtop.telemetry.events import (
     AdmissionBlocked,
     BatchRebuilt,
@@ -50,6 +49,7 @@ from batchtop.telemetry.events import (
 from batchtop.telemetry.export import wait_line
 from batchtop.telemetry.metrics import percentile
 from batchtop.telemetry.rates import WindowedRates
+from batchtop.telemetry.wait_clock import NEXT_STEP, WaitClock
 
 from .cache import CacheView
 
@@ -156,6 +156,7 @@ class KnobMark:
 @dataclass
 class DashboardModel:
     knobs: dict = field(default_factory=dict)
+    scenarios: Mapping[str, str] = field(default_factory=dict)   # the source's: name -> what to watch
     # header numbers
     step: int = 0                        # newest step number seen in any event
     finished_step: int = 0               # newest StepFinished
@@ -444,9 +445,8 @@ class DashboardModel:
     def _on_knob(self, e: KnobChanged) -> None:
         self.knobs[e.name] = e.new
         self.knob_marks.append(KnobMark(e.t, e.step, e.name, e.old, e.new, e.source))
-        scenario = SCENARIOS.get(e.new) if e.name == "scenario" else None
-        if scenario is not None:
-            self.message = f"scenario {scenario.name}: {scenario.watch}"
+        if e.name == "scenario" and e.new in self.scenarios:
+            self.message = f"scenario {e.new}: {self.scenarios[e.new]}"
         else:
             self.message = f"{e.name}: {e.old} → {e.new} ({e.source})"
 

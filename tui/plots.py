@@ -9,12 +9,13 @@ change inside the window, labelled with the knob's new value.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import plotext
 from rich.text import Text
 from textual.widgets import Static
 
-from batchtop.engine.core.knobs import LABELS
+from batchtop.telemetry.protocol.knob import SCHEDULER_KNOBS
 
 from .model import HISTORY_BUCKET_S, LATENCY_WINDOW_S, DashboardModel, HistoryPoint
 
@@ -76,8 +77,15 @@ def plot_series(spec: PlotSpec, points: list[HistoryPoint],
     return out
 
 
-def build_plot(name: str, model: DashboardModel, window_s: float, width: int, height: int) -> str:
-    """The plot `name` over the last `window_s` seconds of history, as an ANSI string."""
+def _scheduler_label(name: str) -> str:
+    knob = SCHEDULER_KNOBS.get(name)
+    return knob.label if knob is not None else name
+
+
+def build_plot(name: str, model: DashboardModel, window_s: float, width: int, height: int,
+               knob_label: Callable[[str], str] = _scheduler_label) -> str:
+    """The plot `name` over the last `window_s` seconds of history, as an ANSI string; a knob change is
+    marked with `knob_label(name)` (the source description's labels)."""
     spec = PLOTS[name]
     fig = plotext.figure
     fig.clear()
@@ -103,7 +111,7 @@ def build_plot(name: str, model: DashboardModel, window_s: float, width: int, he
         if -span <= x <= 0:
             fig.line(x, orientation="v", pixel="red")
             if series:
-                fig.draw(fig.text(x, top, f" {LABELS.get(mark.name, mark.name)}={mark.new}"))
+                fig.draw(fig.text(x, top, f" {knob_label(mark.name)}={mark.new}"))
     names = "" if roomy else ": " + " ".join(label.replace(" ", "") for label, _, _ in series)
     title = f"{spec.title} (last {span:.0f} s)"
     if not roomy or len(title) > width - 8:
@@ -135,4 +143,5 @@ class PlotPanel(Static):
         if width < 10 or height < 4:
             self.update("")
             return
-        self.update(Text.from_ansi(build_plot(self.plot_name, model, window_s, width, height), no_wrap=True))
+        plot = build_plot(self.plot_name, model, window_s, width, height, self.screen.description.label)
+        self.update(Text.from_ansi(plot, no_wrap=True))

@@ -10,15 +10,17 @@ from textual.widgets import Input, Label, Static
 
 
 class HelpScreen(ModalScreen[None]):
-    """Every key of the dashboard, from the app's BINDINGS (so it cannot go stale)."""
+    """The dashboard's keys that its source serves (from its BINDINGS, so it cannot go stale), then one
+    line per thing the source cannot do, with why."""
 
     CSS_PATH = "help.tcss"
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close")]
 
-    def __init__(self, bindings, intro: str = ""):
+    def __init__(self, bindings, intro: str = "", cannot: list[tuple[str, str]] = ()):
         super().__init__()
         self._help_bindings = bindings
         self._intro = intro
+        self._cannot = cannot
 
     def compose(self) -> ComposeResult:
         text = Text("batchtop — keys\n\n", style="bold")
@@ -28,6 +30,11 @@ class HelpScreen(ModalScreen[None]):
             keys = binding.key_display or binding.key.replace("space", "␣")
             text.append(f"{keys:>16}  ", style="bold cyan")
             text.append(f"{binding.description}\n")
+        if self._cannot:
+            text.append("\nnot over this source\n", style="bold")
+        for what, why in self._cannot:
+            text.append(f"{what:>16}  ", style="bold bright_black")
+            text.append(f"{why}\n", style="bright_black")
         text.append("\nesc / q / ? closes this help", style="bright_black")
         yield Vertical(Static(text, id="help-text"), id="help-box")
 

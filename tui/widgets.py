@@ -8,7 +8,6 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from batchtop.engine.core.knobs import LABELS
 from batchtop.telemetry.protocol.knob import SCHEDULER_KNOBS
 
 from .model import SLOT_KINDS, DashboardModel, fmt_rate, fmt_seconds
@@ -71,8 +70,8 @@ class HeaderBar(Static):
         line.append(f"  budget {model.budget_pct:3.0f}%")
         if model.graph_padding_seen and rates.padded_token_share is not None:
             line.append(f"  graph pad {100 * rates.padded_token_share:3.0f}%", style="cyan")
-        line.append("  │ " + " ".join(f"{LABELS[name]} {knobs.get(name, '?')}" for name in HEADER_KNOBS),
-                    style="bold")
+        line.append("  │ " + " ".join(f"{SCHEDULER_KNOBS[name].label} {knobs.get(name, '?')}"
+                                     for name in HEADER_KNOBS), style="bold")
         if "load_rate" in knobs:
             line.append(f" load {knobs['load_rate']:g}/s {knobs.get('length_dist', '')}", style="bold")
         if model.num_dropped:

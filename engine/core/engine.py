@@ -95,7 +95,7 @@ class Engine:
         self.runner = Runner(self.loaded.model, num_blocks, config.block_size, dtype,
                              cuda_graphs=config.cuda_graphs, max_rows=config.batch_capacity,
                              max_blocks_per_seq=self.batch.block_table.shape[1])
-        self.kernel_note = _kernel_note(device, dtype)
+        self.kernels_off = _kernels_off(device, dtype)
         self.sampler = Sampler()
         self.events = StepEvents(self._sink, self.scheduler, self.batch, self.kv,
                                  config.snapshot_interval_steps)
@@ -356,8 +356,8 @@ class Engine:
                           r.num_preemptions)
 
 
-def _kernel_note(device: torch.device, dtype: torch.dtype) -> str | None:
-    """What a dashboard header says when the C++ CPU kernels that this engine would use are off."""
+def _kernels_off(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the C++ CPU kernels this engine would use are off (torch ops serve instead), or None."""
     if device.type != "cpu" or dtype != torch.float32 or cpu.available():
         return None
-    return f"C++ kernels off ({cpu.unavailable_reason()}): torch ops serve, slower"
+    return cpu.unavailable_reason()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from .admission import NEXT_STEP, Blocked, WaitClock
+from batchtop.telemetry.wait_clock import NEXT_STEP, WaitClock
+
+from .admission import Blocked
 from .config import SchedulerKnobs
 from .knobs import POLICIES
 from .kv_cache import KVCacheManager

@@ -42,7 +42,7 @@ def test_graphs_are_captured_at_start_and_reported(tiny):
     assert graphs.capture.sizes == graphs.sizes
     assert graphs.capture.memory_bytes > 0
     assert graphs.capture.seconds > 0
-    from batchtop.tui.sources import _device_name
+    from batchtop.tui.sources.engine import _device_name
     header_device = _device_name(engine)
     assert header_device.startswith("cuda:0 (7 CUDA graphs for 1-32 rows, "), "the dashboard header's device"
     assert cuda_engine(tiny, "off").runner.decode_graphs is None

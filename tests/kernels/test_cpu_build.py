@@ -158,15 +158,15 @@ def test_engine_and_header_say_why_when_the_kernels_are_off(fresh, capsys):
     from batchtop.engine.core.engine import Engine
     from batchtop.engine.core.loop import EngineLoop
     from batchtop.telemetry.bus import EventBus
-    from batchtop.tui.sources import EngineSource
+    from batchtop.tui.sources.engine import EngineSource
     fake, _ = fresh
     fake.error = OSError("no C++ compiler found")
     engine = Engine(EngineConfig(model="tiny", num_kv_blocks=16, max_model_len=128))
-    assert "C++ kernels off (OSError: no C++ compiler found)" in engine.kernel_note
-    assert "torch ops serve" in engine.kernel_note
+    assert engine.kernels_off == "OSError: no C++ compiler found"
     assert engine.generate([[1, 2, 3]])[0].finish_reason in ("stop", "length")
     source = EngineSource(EngineLoop(engine), EventBus())
-    assert source.meta["kernels"] == engine.kernel_note
+    assert source.meta["kernels"] == ("C++ kernels off (OSError: no C++ compiler found): "
+                                      "torch ops serve, slower")
     assert capsys.readouterr().err.count("unavailable") == 1
 
 

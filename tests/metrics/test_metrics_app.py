@@ -8,7 +8,7 @@ import pytest
 from expositions import sglang_exposition, two_engines, vllm_fixture
 
 from batchtop.tui.metrics.app import MetricsApp
-from batchtop.tui.metrics.source import MetricsSource
+from batchtop.tui.sources.metrics import MetricsSource
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tui"))
 from tui_helpers import screen_text  # noqa: E402

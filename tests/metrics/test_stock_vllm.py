@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchtop.tui.metrics.app import MetricsApp
-from batchtop.tui.metrics.source import MetricsSource, detect
+from batchtop.tui.sources.metrics import MetricsSource, detect
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tui"))
 from tui_helpers import screen_text  # noqa: E402

@@ -13,7 +13,7 @@ from server_helpers import wait_idle
 
 from batchtop.engine.server.app import ServerThread
 from batchtop.engine.server.host import BatchtopServer
-from batchtop.tui.remote_source import RemoteSource
+from batchtop.tui.sources.remote import RemoteSource
 
 
 async def answered(pilot, app, timeout_s: float = 10.0) -> None:

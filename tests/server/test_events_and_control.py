@@ -12,7 +12,7 @@ from batchtop.engine.server.app import ServerThread
 from batchtop.engine.server.host import BatchtopServer
 from batchtop.telemetry.events import EventsDropped, KnobChanged, StepFinished
 from batchtop.telemetry.protocol import stream
-from batchtop.tui.remote_source import RemoteSource
+from batchtop.tui.sources.remote import RemoteSource
 
 
 def read_sse(url: str, *, headers=None, params=None, until=None, timeout: float = 20.0) -> list[dict]:

@@ -13,7 +13,7 @@ from batchtop.engine.core.loop import EngineLoop
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.telemetry.bus import EventBus
 from batchtop.tui.app import BatchtopApp
-from batchtop.tui.sources import EngineSource
+from batchtop.tui.sources.engine import EngineSource
 
 pytestmark = pytest.mark.asyncio
 

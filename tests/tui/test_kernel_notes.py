@@ -6,8 +6,7 @@ from tui_helpers import screen_text
 
 from batchtop.kernels import cpu
 from batchtop.tui.app import BatchtopApp
-from batchtop.tui.dashboard import LoadingSource
-from batchtop.tui.sources import FeedSource
+from batchtop.tui.sources import FeedSource, LoadingSource
 
 
 def test_loading_screen_names_the_first_build(monkeypatch):

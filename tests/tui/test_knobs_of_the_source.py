@@ -9,7 +9,7 @@ import pytest
 from batchtop.telemetry.protocol.knob import SCHEDULER_KNOBS
 from batchtop.tui.app import BatchtopApp
 from batchtop.tui.screens import PromptScreen
-from batchtop.tui.sources import FeedSource
+from batchtop.tui.sources import FeedSource, SourceDescription
 
 pytestmark = pytest.mark.asyncio
 VLLM_TABLE = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "long_prefill_token_threshold": 512}
@@ -18,16 +18,16 @@ VLLM_TABLE = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "long_prefill_to
 class VllmLikeSource(FeedSource):
     """What RemoteSource makes of a vLLM endpoint's knob table."""
     kind = "remote"
-    read_only = False
 
     def __init__(self):
         super().__init__(knobs={"max_num_seqs": 8, "max_num_batched_tokens": 512,
                                 "long_prefill_token_threshold": 0})
         self.sent: list[tuple[str, object]] = []
 
-    def offered_knobs(self):
-        return {name: dataclasses.replace(row, high=limit) for name, row in SCHEDULER_KNOBS.items()
-                for limit in (VLLM_TABLE[name],)}
+    def describe(self):
+        knobs = {name: dataclasses.replace(row, high=VLLM_TABLE[name])
+                 for name, row in SCHEDULER_KNOBS.items()}
+        return SourceDescription(self.kind, can=frozenset({"pause", "step", "abort"}), knobs=knobs)
 
     def set_knob(self, name, value):
         self.sent.append((name, value))

@@ -26,7 +26,8 @@ from batchtop.telemetry.events import (
 from batchtop.telemetry.recorder import read_log
 from batchtop.telemetry.state import BatchState
 from batchtop.tui.model import DashboardModel
-from batchtop.tui.sources import EngineSource, ReplaySource
+from batchtop.tui.sources import ReplaySource
+from batchtop.tui.sources.engine import EngineSource
 
 
 def fold(events) -> DashboardModel:

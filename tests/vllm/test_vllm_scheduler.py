@@ -186,7 +186,7 @@ def test_the_dashboard_shows_vllms_running_requests_and_kv_level(vllm_server):
     from tui_helpers import screen_text
 
     from batchtop.tui.app import BatchtopApp
-    from batchtop.tui.remote_source import RemoteSource
+    from batchtop.tui.sources.remote import RemoteSource
     events_url = vllm_server[1]
 
     async def drive():

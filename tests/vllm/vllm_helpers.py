@@ -53,7 +53,7 @@ class EventFollower:
     """Every batchtop event of the side endpoint, read through the dashboard's own client."""
 
     def __init__(self, url: str, from_step: int | None = 0, api_key: str | None = None):
-        from batchtop.tui.remote_source import RemoteSource
+        from batchtop.tui.sources.remote import RemoteSource
         self.source = RemoteSource(url, api_key, from_step=from_step).start()
         self.events: list = []
         self._lock = threading.Lock()

@@ -15,8 +15,8 @@ from textual.widgets import ContentSwitcher, Footer, Static
 
 from batchtop.tui.plots import PLOT_WINDOWS_S
 from batchtop.tui.screens import HelpScreen
+from batchtop.tui.sources.metrics import NO_PAUSE_WHY, READ_ONLY_WHY, EngineView, MetricsSource
 
-from .source import NO_PAUSE_WHY, READ_ONLY_WHY, EngineView, MetricsSource
 from .widgets import (
     METRIC_PLOTS,
     EnginesTable,

@@ -12,9 +12,8 @@ from textual.widgets import Static
 
 from batchtop.telemetry.intervals import Interval
 from batchtop.tui.model import fmt_rate
+from batchtop.tui.sources.metrics import SCHEDULER_HINT, EngineView
 from batchtop.tui.widgets import bar, sparkline
-
-from .source import SCHEDULER_HINT, EngineView
 
 NEEDS_EVENTS = ("{what} needs batchtop's per-step events, which /metrics does not carry.\n"
                 f"To fill it: {SCHEDULER_HINT}.")

@@ -18,17 +18,15 @@ import time
 import httpx
 from httpx_sse import connect_sse
 
-from batchtop.engine.core.knobs import DASHBOARD_KNOBS, KNOBS
 from batchtop.telemetry.events import EnginePaused, EngineResumed, EventsDropped, KnobChanged
-from batchtop.telemetry.protocol.knob import Knob
+from batchtop.telemetry.protocol.knob import SCHEDULER_KNOBS, Knob
 from batchtop.telemetry.recorder import decode_event
 
-from .sources import Poll, Source
+from .base import Poll, Source, SourceDescription
 
 
 class RemoteSource(Source):
     kind = "remote"
-    read_only = False
     commands_block = True
 
     def __init__(self, url: str, api_key: str | None = None, *, backoff_s: tuple[float, float] = (0.5, 8.0),
@@ -214,12 +212,18 @@ class RemoteSource(Source):
             return f"{self.url} unreachable: {type(error).__name__}"
         return None if response.status_code == 200 else _message(response)
 
-    def offered_knobs(self) -> dict[str, Knob]:
-        """The server's own knob table (its `knob_table`: vLLM's knobs with vLLM's limits); a server that
-        sends none is taken for a batchtop engine."""
+    def describe(self) -> SourceDescription:
+        """The knobs are the server's own table (its `knob_table`: vLLM's knobs with vLLM's limits; a
+        server that sends none is offered the scheduler knobs every engine has). Pause, step and abort
+        go to its control endpoints."""
         if self._knob_table is None:
-            return {name: KNOBS[name] for name in DASHBOARD_KNOBS}
-        return {k.name: k for k in self._knob_table if k.dashboard}
+            knobs = dict(SCHEDULER_KNOBS)
+        else:
+            knobs = {k.name: k for k in self._knob_table if k.dashboard}
+        return SourceDescription(self.kind, can=frozenset({"pause", "step", "abort"}), knobs=knobs, why_not={
+            "record": "the dashboard over a server does not record; the in-process engine does "
+                      "(batchtop --record LOG)",
+            "scenarios": "scenarios run on the in-process engine (batchtop --scenario NAME)"})
 
     def set_knob(self, name: str, value) -> str | None:
         return self._post("/v1/knobs", {"name": name, "value": value})

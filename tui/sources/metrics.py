@@ -7,7 +7,7 @@ with `vllm:` or `sglang:` names, else a `NotAServer` naming what it tried.
 `MetricsSource` scrapes on a thread every `period_s`, parses each exposition
 (`telemetry.exposition`) and turns consecutive scrapes into one `Interval` per engine
 (`telemetry.intervals`). It hands the dashboard no events (a stock server has none): the
-metrics app reads `snapshot()` (engine -> `EngineView`: latest snapshot, intervals, run
+dashboard's scrape panels read `snapshot()` (engine -> `EngineView`: latest snapshot, intervals, run
 totals). A server that goes away is retried with exponential backoff; one that comes back
 with lower counters (a restart) gives an interval marked `reset`, never a negative rate.
 Knobs are read-only: `/metrics` has none.
@@ -23,7 +23,8 @@ import httpx
 
 from batchtop.telemetry.exposition import Scrape, ScrapedEngine, detect_flavour, parse_exposition
 from batchtop.telemetry.intervals import Interval, derive
-from batchtop.tui.sources import Source
+
+from .base import Source, SourceDescription
 
 MAX_INTERVALS = 3600                 # per engine: an hour at the default period
 SCHEDULER_HINT = ("start vLLM with --scheduler-cls batchtop.engine.vllm.scheduler.BatchtopScheduler and "
@@ -98,7 +99,9 @@ class EngineView:
 
 class MetricsSource(Source):
     kind = "metrics"
-    read_only = True
+    DESCRIPTION = SourceDescription(kind, events=False, why_not={
+        "pause": NO_PAUSE_WHY, "step": NO_PAUSE_WHY, "knobs": READ_ONLY_WHY, "abort": READ_ONLY_WHY,
+        "scenarios": READ_ONLY_WHY, "record": "a scrape has no events to record; " + SCHEDULER_HINT})
 
     def __init__(self, url: str, flavour: str, api_key: str | None = None, *, period_s: float = 1.0,
                  backoff_s: tuple[float, float] = (0.5, 8.0), timeout_s: float = 5.0,
@@ -192,17 +195,8 @@ class MetricsSource(Source):
             wait = f"; retrying in {max(0.0, self.retry_at - time.monotonic()):.1f} s"
         return f"disconnected from {self.url}: {self.last_error or 'connecting'}{wait}"
 
-    def toggle_pause(self) -> str | None:
-        return NO_PAUSE_WHY
-
-    def step_once(self) -> str | None:
-        return self.toggle_pause()
-
-    def set_knob(self, name: str, value) -> str | None:
-        return READ_ONLY_WHY
-
-    def abort(self, request_id: str) -> str | None:
-        return READ_ONLY_WHY
+    def describe(self) -> SourceDescription:
+        return self.DESCRIPTION
 
     def close(self) -> None:
         self._stop.set()
