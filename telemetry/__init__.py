@@ -5,7 +5,6 @@ Imports nothing else of batchtop. See docs/events.md.
 from .bus import EventBus, EventLog, Subscription
 from .events import SCHEMA_VERSION, Event, event_from_dict
 from .export import summary_text, to_chrome_trace, to_csv
-from .metrics import Metrics, MetricsSummary, percentile, summarize
 from .rates import WindowedRates
 from .recorder import (
     LogFormatError,
@@ -16,6 +15,7 @@ from .recorder import (
     iter_log,
     read_log,
 )
+from .run_stats import Metrics, MetricsSummary, percentile, summarize
 from .state import BatchState, RequestState
 
 __all__ = [

@@ -38,7 +38,7 @@ from .events import (
     StepFinished,
     StepPlanned,
 )
-from .metrics import Distribution, Metrics, MetricsSummary
+from .run_stats import Distribution, Metrics, MetricsSummary
 
 BATCH_PID = 1
 ENGINE_PID = 2

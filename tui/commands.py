@@ -116,21 +116,19 @@ def add_top(sub) -> None:
 
 def cmd_top(args) -> int:
     """batchtop's own events where the server publishes them, else its /metrics (fewer panels)."""
-    from .sources.metrics import MetricsSource, NotAServer, detect
+    from .sources.scrape import MetricsSource, NotAServer, detect
     try:
         kind = detect(args.url, args.api_key)
     except NotAServer as error:
         print(f"batchtop: {error}", file=sys.stderr)
         return 2
+    from .app import BatchtopApp
     if kind == "events":
-        from .app import BatchtopApp
         from .sources.remote import RemoteSource
         BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
                     refresh_s=args.refresh).run()
         return 0
-    from .metrics.app import MetricsApp
-    source = MetricsSource(args.url, kind, args.api_key, period_s=args.period).start()
-    MetricsApp(source, engine=args.engine).run()
+    BatchtopApp(MetricsSource(args.url, kind, args.api_key, period_s=args.period), engine=args.engine).run()
     return 0
 
 

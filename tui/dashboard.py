@@ -25,6 +25,7 @@ from textual.widgets import ContentSwitcher, Footer, Static
 
 from .model import DashboardModel
 from .plots import PLOT_WINDOWS_S, PLOTS, PlotPanel
+from .scrape_panels import SCRAPE_VIEWS, MetricsPlot, ScrapedEngines, compose_scrape_panels
 from .screens import ConfirmScreen, HelpScreen, PromptScreen
 from .sources import LoadingSource, Source, SourceDescription
 from .tables import COLUMNS, EventLogView, RequestTable
@@ -41,6 +42,12 @@ IDLE_REDRAW_TICKS = 10     # with nothing new, redraw once a second (ages and ra
 ACTION_ABILITIES = {"toggle_pause": "pause", "step": "step", "step_back": "step_back", "seek": "seek",
                     "speed": "speed", "type_knob": "knobs", "knob_step": "knob", "cycle_knob": "knob",
                     "next_scenario": "scenarios", "abort": "abort", "record": "record"}
+
+
+# Keys of the event panels only, and of the scrape panels only (a source without per-step events).
+EVENT_ACTIONS = {"move", "sort", "toggle_finished", "filter_kinds", "filter_request", "toggle_step_events",
+                 "freeze"}
+SCRAPE_ACTIONS = {"next_engine"}
 
 
 def _ability(action: str, parameters: tuple) -> str | None:
@@ -116,6 +123,9 @@ class DashboardScreen(Screen):
         Binding("e", "toggle_step_events", "event log: show/hide step events", show=False),
         Binding("v", "freeze", "event log: freeze/unfreeze view", show=False),
         Binding("w", "plot_window", "plots: next time window", show=False),
+        Binding("1", "view('engines')", "engines view", show=False),
+        Binding("3", "view('intervals')", "interval log", show=False),
+        Binding("e", "next_engine", "next engine"),
         Binding("escape", "back", "back to the screen below", show=False, key_display="esc"),
         Binding("q", "app.quit", "quit"),
     ]
@@ -125,11 +135,16 @@ class DashboardScreen(Screen):
                  loading_what: str = "engine", tick_s: float | None = 0.1,
                  clock: Callable[[], float] | None = None, plot_every: int = 10,
                  record_path: str | None = None, refresh_s: float = 0.0, message: str = "",
-                 owns_source: bool = True):
+                 owns_source: bool = True, engine: str | None = None):
+        """`engine`: over a scrape source serving several engines, the one shown first ("engine=1").
+        The panels follow the source's description as the screen is composed: a source without
+        per-step events (a /metrics scrape) gets the scrape panels."""
         super().__init__()
         self._owns_source = owns_source      # closed when the screen goes (False: the caller keeps it)
         self.source: Source = source or LoadingSource(loading_what)
         self.description: SourceDescription = self.source.describe()
+        self.scraped = None if self.description.events else ScrapedEngines(self.source, engine)
+        self.views = VIEWS if self.scraped is None else SCRAPE_VIEWS
         self._source_factory = source_factory
         self._tick_s = tick_s
         self._refresh_s = refresh_s
@@ -138,7 +153,7 @@ class DashboardScreen(Screen):
         self._plot_every = plot_every
         self._record_path = record_path
         self.model = self._new_model()
-        self.view = "requests"
+        self.view = self.views[0]
         self.plot_window = PLOT_WINDOWS_S[1]
         self.status_message = message          # the status line's first words (a scenario's watch line)
         self._command_pending = False          # a command to a network source awaits its answer
@@ -158,6 +173,10 @@ class DashboardScreen(Screen):
         """A key whose ability the source lacks is hidden from the footer and answers why (`refuse`)."""
         if action == "refuse":
             return not self.description.can_do(parameters[0])
+        if action == "view":
+            return parameters[0] in self.views
+        if action in EVENT_ACTIONS or action in SCRAPE_ACTIONS:
+            return (action in SCRAPE_ACTIONS) == (self.scraped is not None)
         ability = _ability(action, parameters)
         return ability is None or self.description.can_do(ability)
 
@@ -174,6 +193,11 @@ class DashboardScreen(Screen):
     # -- layout ----------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
+        if self.scraped is not None:
+            yield from compose_scrape_panels()
+            yield Static(id="status")
+            yield Footer()
+            return
         yield HeaderBar(id="header")
         with Horizontal(id="top"):
             yield SlotGrid(id="slots")
@@ -192,14 +216,15 @@ class DashboardScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.header = self.query_one(HeaderBar)
-        self.slots = self.query_one(SlotGrid)
-        self.kv = self.query_one(KvPanel)
-        self.table = self.query_one(RequestTable)
-        self.events = self.query_one(EventLogView)
+        self.header = self.query_one("#header")
+        self.slots = self.query_one("#slots")
+        self.kv = self.query_one("#kv")
         self.switcher = self.query_one(ContentSwitcher)
-        self.plot_panels = list(self.query(PlotPanel))
-        self.timelines = list(self.query(TimelineView))
+        self.plot_panels = list(self.query(MetricsPlot if self.scraped else PlotPanel))
+        if self.scraped is None:
+            self.table = self.query_one(RequestTable)
+            self.events = self.query_one(EventLogView)
+            self.timelines = list(self.query(TimelineView))
         self._render_viewbar()
         if self._tick_s:
             self.set_interval(self._tick_s, self.tick)
@@ -211,7 +236,8 @@ class DashboardScreen(Screen):
     def on_resize(self, event) -> None:
         width, height = self.app.size
         self.set_class(width >= WIDE_COLUMNS, "wide")
-        self._fit_top()
+        if self.scraped is None:
+            self._fit_top()
         self._plots_dirty = True
 
     def _fit_top(self) -> None:
@@ -266,6 +292,11 @@ class DashboardScreen(Screen):
         if not self.query("#status"):     # the widgets are not composed yet, or already torn down
             return
         self._describe()
+        if self.scraped is not None:
+            self._ticks += 1
+            if self.scraped.update(self._ticks):
+                self.refresh_views()
+            return
         poll = self.source.poll()
         if poll.reset:
             self.model = self._new_model()
@@ -292,7 +323,9 @@ class DashboardScreen(Screen):
         self.header.refresh()
         self.slots.refresh()
         self.kv.refresh()
-        if self.view == "requests":
+        if self.scraped is not None:
+            self._refresh_scrape_views()
+        elif self.view == "requests":
             self.table.refresh()
             if self.has_class("wide"):
                 self.timelines[0].refresh()
@@ -305,6 +338,13 @@ class DashboardScreen(Screen):
         if self.status_message != self._shown_status:
             self._shown_status = self.status_message
             self.query_one("#status", Static).update(self.status_message)
+
+    def _refresh_scrape_views(self) -> None:
+        if self.view == "plots":
+            for panel in self.plot_panels:
+                panel.redraw(self.scraped.shown(), self.plot_window)
+        else:
+            self.query_one(f"#{self.view}").refresh()
 
     def redraw_plots(self) -> None:
         for panel in self.plot_panels:
@@ -362,7 +402,7 @@ class DashboardScreen(Screen):
 
     def _render_viewbar(self) -> None:
         labels = []
-        for i, name in enumerate(VIEWS, 1):
+        for i, name in enumerate(self.views, 1):
             labels.append(f"[reverse b] {i} {name} [/]" if name == self.view else f" {i} {name} ")
         extra = f"  window {self.plot_window:g}s (w)" if self.view == "plots" else ""
         self.query_one("#viewbar", Static).update("".join(labels) + extra)
@@ -372,7 +412,8 @@ class DashboardScreen(Screen):
     def action_help(self) -> None:
         """The keys this source serves, then one line per thing it cannot do and why."""
         keys = [b for b in self.KEYS if self.check_action(*parse(b.action)[1:])]
-        self.app.push_screen(HelpScreen(keys, f"source: {self.source.kind}", self.description.refusals()))
+        intro = f"source: {self.source.kind} · {self.source.status()}"
+        self.app.push_screen(HelpScreen(keys, intro, self.description.refusals()))
 
     def action_toggle_pause(self) -> None:
         self.command(self.source.toggle_pause, self._answer)
@@ -505,6 +546,12 @@ class DashboardScreen(Screen):
         self.switcher.current = name
         self._plots_dirty = True
         self._render_viewbar()
+        self.refresh_views()
+        if self.scraped is not None:
+            self.call_after_refresh(self.refresh_views)       # plots need their size, known after the switch
+
+    def action_next_engine(self) -> None:
+        self.say(self.scraped.next_engine())
         self.refresh_views()
 
     def action_move(self, delta: int) -> None:

@@ -47,8 +47,8 @@ from batchtop.telemetry.events import (
     StepPlanned,
 )
 from batchtop.telemetry.export import wait_line
-from batchtop.telemetry.metrics import percentile
 from batchtop.telemetry.rates import WindowedRates
+from batchtop.telemetry.run_stats import percentile
 from batchtop.telemetry.wait_clock import NEXT_STEP, WaitClock
 
 from .cache import CacheView

@@ -394,7 +394,7 @@ def sweep(config, requests, values: list[int], *, loaded=None, **run_kwargs) -> 
     import torch
 
     from batchtop.engine.model.loading import load_model
-    from batchtop.telemetry.metrics import summarize as summarize_events
+    from batchtop.telemetry.run_stats import summarize as summarize_events
     if loaded is None:
         loaded = load_model(config.model, getattr(torch, config.dtype))
     points = []

@@ -22,8 +22,8 @@ from batchtop.telemetry.protocol.limits import MAX_BODY_BYTES
 from batchtop.telemetry.protocol.routes import lifespan, mount
 
 from .host import BatchtopServer
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .openai_api import ChatCompletionRequest, CompletionRequest
+from .prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 ERROR_RESPONSES = {code: {"description": text, "content": {"application/json": {}}}
                    for code, text in ((400, "invalid request"), (401, "missing or wrong API key"),

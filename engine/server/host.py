@@ -19,8 +19,8 @@ from batchtop.telemetry.protocol.routes import ControlHost
 from batchtop.telemetry.protocol.stream import EventRing
 
 from .completions import Completions
-from .metrics import ServerMetrics
 from .outputs import OutputRouter
+from .prometheus import ServerMetrics
 
 
 class BatchtopServer(ControlHost):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from batchtop.engine.core.knobs import knob
 from batchtop.telemetry import events as ev
-from batchtop.telemetry.metrics import MetricsSummary, summarize
 from batchtop.telemetry.recorder import encode_event, make_header
+from batchtop.telemetry.run_stats import MetricsSummary, summarize
 
 from .recording import Recording
 from .replay import Identity, fit_steps, replay_identity, run_whatif

@@ -9,8 +9,8 @@ from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.engine.model.loading import load_model
 from batchtop.telemetry import events as ev
-from batchtop.telemetry.metrics import summarize
 from batchtop.telemetry.recorder import Recorder, read_log
+from batchtop.telemetry.run_stats import summarize
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The metrics dashboard (Pilot) over expositions served by a plain HTTP server."""
+"""The dashboard over a /metrics source (Pilot): the scrape panels, over expositions served by a plain
+HTTP server."""
 from __future__ import annotations
 
 import sys
@@ -7,8 +8,8 @@ from pathlib import Path
 import pytest
 from expositions import sglang_exposition, two_engines, vllm_fixture
 
-from batchtop.tui.metrics.app import MetricsApp
-from batchtop.tui.sources.metrics import MetricsSource
+from batchtop.tui.app import BatchtopApp
+from batchtop.tui.sources.scrape import MetricsSource
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tui"))
 from tui_helpers import screen_text  # noqa: E402
@@ -27,7 +28,7 @@ async def test_vllm_view_panels_intervals_and_read_only_keys(text_server):
     routes = {"/metrics": (200, two_engines(vllm_fixture("busy")))}
     server = text_server(routes)
     source = MetricsSource(server.url, "vllm", period_s=3600)
-    app = MetricsApp(source, engine="engine=1", tick_s=None)
+    app = BatchtopApp(source, engine="engine=1", tick_s=None)
     async with app.run_test(size=(130, 40)) as pilot:
         source.scrape_once()
         routes["/metrics"] = (200, two_engines(vllm_fixture("drained")))
@@ -43,6 +44,8 @@ async def test_vllm_view_panels_intervals_and_read_only_keys(text_server):
         assert "steps 186 (11.9 tok/step)" in text
         text = await show(app, pilot, "e")
         assert "smollm2 engine=0 (1/2, e: next)" in text
+        footer = text.splitlines()[-1]                                   # the keys follow the source
+        assert "e next engine" in footer and not any(key in footer for key in ("knob", "pause", "abort"))
         text = await show(app, pilot, "m")
         assert "knobs are read-only over /metrics" in text
         text = await show(app, pilot, "space")
@@ -59,7 +62,7 @@ async def test_vllm_view_panels_intervals_and_read_only_keys(text_server):
 async def test_sglang_view_shows_its_pool_in_tokens(text_server):
     server = text_server({"/metrics": (200, sglang_exposition())})
     source = MetricsSource(server.url, "sglang", period_s=3600)
-    app = MetricsApp(source, tick_s=None)
+    app = BatchtopApp(source, tick_s=None)
     async with app.run_test(size=(130, 40)) as pilot:
         source.scrape_once()
         text = await show(app, pilot)
@@ -70,7 +73,7 @@ async def test_sglang_view_shows_its_pool_in_tokens(text_server):
 def test_interval_line_carries_the_latency_percentiles():
     from batchtop.telemetry.exposition import parse_exposition
     from batchtop.telemetry.intervals import derive
-    from batchtop.tui.metrics.widgets import interval_line
+    from batchtop.tui.scrape_panels import interval_line
     engine = "smollm2 engine=0"
     busy, drained = parse_exposition(vllm_fixture("busy"),
                                      1.0), parse_exposition(vllm_fixture("drained"), 21.0)

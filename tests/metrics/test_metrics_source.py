@@ -8,7 +8,7 @@ import pytest
 from expositions import sglang_exposition, vllm_fixture
 
 from batchtop.tui.cli import main
-from batchtop.tui.sources.metrics import MetricsSource, detect
+from batchtop.tui.sources.scrape import MetricsSource, detect
 
 ENGINE = "smollm2 engine=0"
 

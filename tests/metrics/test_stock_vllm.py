@@ -16,8 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchtop.tui.metrics.app import MetricsApp
-from batchtop.tui.sources.metrics import MetricsSource, detect
+from batchtop.tui.app import BatchtopApp
+from batchtop.tui.sources.scrape import MetricsSource, detect
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tui"))
 from tui_helpers import screen_text  # noqa: E402
@@ -54,7 +54,7 @@ async def test_dashboard_agrees_with_vllm_metrics_during_and_after_a_load(stock_
     assert detect(url) == "vllm"
     # A long period: the test scrapes by hand, so that it knows which exposition the screen shows.
     source = MetricsSource(url, "vllm", period_s=3600)
-    app = MetricsApp(source, tick_s=None)
+    app = BatchtopApp(source, tick_s=None)
     seen = []
     async with app.run_test(size=(140, 40)) as pilot:
         await asyncio.to_thread(source.scrape_once)

@@ -1,6 +1,6 @@
 """`batchtop top --url` finds batchtop's event stream first, though batchtop serve also exports vLLM's
 names."""
-from batchtop.tui.sources.metrics import detect
+from batchtop.tui.sources.scrape import detect
 
 
 def test_detects_batchtop_serve_before_its_vllm_names(base_url):

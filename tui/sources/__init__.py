@@ -6,9 +6,9 @@
 - `loading`: `LoadingSource`, shown while the real source is built.
 - `engine`: `EngineSource`, the in-process engine (the only source that imports batchtop.engine).
 - `remote`: `RemoteSource`, a server's event stream over HTTP (batchtop serve, batchtop inside vLLM).
-- `metrics`: `MetricsSource`, a stock vLLM or SGLang through `/metrics`.
+- `scrape`: `MetricsSource`, a stock vLLM or SGLang through `/metrics` (no per-step events).
 
-Import `engine`, `remote` and `metrics` from their modules: this package pulls in none of them.
+Import `engine`, `remote` and `scrape` from their modules: this package pulls in none of them.
 """
 from .base import ABILITIES, Poll, Source, SourceDescription
 from .feed import FeedSource

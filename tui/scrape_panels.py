@@ -1,19 +1,26 @@
-"""Panels of the metrics view (a stock vLLM or SGLang through `/metrics`).
+"""The panels the dashboard shows over a scrape source (a stock vLLM or SGLang through `/metrics`).
 
-Each widget reads `self.app.engines` (engine -> `EngineView`, copied once per tick) and
-`self.app.engine` (the engine shown); nothing here mutates them. A figure the server does not
-export is drawn as "–", never as 0. Panels that need per-step events say what fills them.
+`ScrapedEngines` holds what they read: the source's engines (engine -> `EngineView`, copied once per
+scrape) and the engine shown; each widget reads it as `self.screen.scraped` and mutates nothing. A
+figure the server does not export is drawn as "–", never as 0. Panels that need per-step events say
+what fills them.
 """
 from __future__ import annotations
 
 import plotext
 from rich.text import Text
-from textual.widgets import Static
+from textual.app import ComposeResult
+from textual.containers import Grid, Horizontal
+from textual.widgets import ContentSwitcher, Static
 
 from batchtop.telemetry.intervals import Interval
-from batchtop.tui.model import fmt_rate
-from batchtop.tui.sources.metrics import SCHEDULER_HINT, EngineView
-from batchtop.tui.widgets import bar, sparkline
+
+from .model import fmt_rate
+from .sources.scrape import SCHEDULER_HINT, EngineView, MetricsSource
+from .widgets import bar, sparkline
+
+SCRAPE_VIEWS = ("engines", "plots", "intervals")
+IDLE_REDRAW_TICKS = 10
 
 NEEDS_EVENTS = ("{what} needs batchtop's per-step events, which /metrics does not carry.\n"
                 f"To fill it: {SCHEDULER_HINT}.")
@@ -42,7 +49,7 @@ class MetricsHeader(Static):
     """Two lines: state, engine and rates of the last interval; then queues, KV, prefix cache, knobs."""
 
     def render(self) -> Text:
-        app = self.app
+        app = self.screen.scraped
         view: EngineView | None = app.engines.get(app.engine)
         state = app.source.status()
         line = Text()
@@ -95,7 +102,7 @@ class MetricsKvPanel(Static):
     """The KV pool from the usage gauge and the pool size (vLLM's cache_config_info), with history."""
 
     def render(self) -> Text:
-        view: EngineView | None = self.app.engines.get(self.app.engine)
+        view: EngineView | None = self.screen.scraped.shown()
         width = max(10, self.size.width)
         text = Text("KV pool ", style="bold")
         if view is None:
@@ -125,7 +132,7 @@ class EnginesTable(Static):
     """One row per engine (series told apart by their engine / model labels), then what is missing."""
 
     def render(self) -> Text:
-        app = self.app
+        app = self.screen.scraped
         text = Text("".join(f"{name:>{w}} " if i else f"{name:<{w}} " for i,
                             (name, w) in enumerate(ENGINE_COLUMNS)),
                     style="bold reverse")
@@ -170,7 +177,7 @@ class IntervalLog(Static):
     """The newest intervals of the engine shown, oldest first (in place of the event log)."""
 
     def render(self) -> Text:
-        view: EngineView | None = self.app.engines.get(self.app.engine)
+        view: EngineView | None = self.screen.scraped.shown()
         if view is None or not view.intervals:
             return Text("intervals: one line per scrape once two scrapes are in", style="bright_black")
         rows = max(1, self.size.height)
@@ -234,3 +241,57 @@ class MetricsPlot(Static):
             return
         self.update(Text.from_ansi(build_metrics_plot(self.plot_name, view, window_s, width,
                                                       height), no_wrap=True))
+
+
+class ScrapedEngines:
+    """The engines of a scrape source as the panels show them, copied when a scrape came in."""
+
+    def __init__(self, source: MetricsSource, engine: str | None = None):
+        self.source = source
+        self.engine = engine                 # the engine the header, KV panel, plots and log show
+        self.engines: dict[str, EngineView] = {}
+        self._seen_version = -1
+
+    def shown(self) -> EngineView | None:
+        return self.engines.get(self.engine)
+
+    def update(self, ticks: int) -> bool:
+        """Copy the source's engines when a scrape came in (and once a second); True: redraw."""
+        version = self.source.version
+        if version == self._seen_version and ticks % IDLE_REDRAW_TICKS:
+            return False
+        self._seen_version = version
+        self.engines = self.source.snapshot()
+        if self.engine not in self.engines and self.engines:
+            self.engine = self._match(self.engine)
+        return True
+
+    def _match(self, wanted: str | None) -> str:
+        """The engine named `wanted` (its whole key, or a key part such as "engine=1"), else the first."""
+        for key in self.engines:
+            if wanted and (wanted == key or wanted in key.split(" ")):
+                return key
+        return next(iter(self.engines))
+
+    def next_engine(self) -> str:
+        """Show the next engine; what to say about it."""
+        keys = list(self.engines)
+        if len(keys) < 2:
+            return "one engine behind this server"
+        self.engine = keys[(keys.index(self.engine) + 1) % len(keys)] if self.engine in keys else keys[0]
+        return f"showing {self.engine}"
+
+
+def compose_scrape_panels() -> ComposeResult:
+    """The screen between its header and its status line, over a scrape source."""
+    yield MetricsHeader(id="header")
+    with Horizontal(id="top"):
+        yield NeedsEventsPanel("The slot grid (the batch row by row)", id="slots", classes="needs-events")
+        yield MetricsKvPanel(id="kv")
+    yield Static(id="viewbar")
+    with ContentSwitcher(initial=SCRAPE_VIEWS[0], id="views"):
+        yield EnginesTable(id="engines")
+        with Grid(id="plots"):
+            for name in METRIC_PLOTS:
+                yield MetricsPlot(name, id=f"plot-{name}", classes="plot")
+        yield IntervalLog(id="intervals")

@@ -11,8 +11,8 @@ from batchtop.telemetry.events import (
     RequestRetracted,
     StepFinished,
 )
-from batchtop.telemetry.metrics import Distribution, Metrics, percentile, summarize
 from batchtop.telemetry.rates import WindowedRates
+from batchtop.telemetry.run_stats import Distribution, Metrics, percentile, summarize
 
 approx = pytest.approx
 
