@@ -17,12 +17,12 @@ from typing import Callable
 from textual import work
 from textual.actions import parse
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import ContentSwitcher, Footer, Static
 
+from .keys import EVENT_ACTIONS, KEYS, SCRAPE_ACTIONS, action_ability, refusals
 from .model import DashboardModel
 from .plots import PLOT_WINDOWS_S, PLOTS, PlotPanel
 from .scrape_panels import SCRAPE_VIEWS, MetricsPlot, ScrapedEngines, compose_scrape_panels
@@ -38,35 +38,6 @@ WIDE_COLUMNS = 130        # from here on the timeline sits beside the request ta
 IDLE_REDRAW_TICKS = 10     # with nothing new, redraw once a second (ages and rates move)
 
 
-# What each source-dependent action needs of the source; "knob" stands for "knob:<its first argument>".
-ACTION_ABILITIES = {"toggle_pause": "pause", "step": "step", "step_back": "step_back", "seek": "seek",
-                    "speed": "speed", "type_knob": "knobs", "knob_step": "knob", "cycle_knob": "knob",
-                    "next_scenario": "scenarios", "abort": "abort", "record": "record"}
-
-
-# Keys of the event panels only, and of the scrape panels only (a source without per-step events).
-EVENT_ACTIONS = {"move", "sort", "toggle_finished", "filter_kinds", "filter_request", "toggle_step_events",
-                 "freeze"}
-SCRAPE_ACTIONS = {"next_engine"}
-
-
-def _ability(action: str, parameters: tuple) -> str | None:
-    ability = ACTION_ABILITIES.get(action)
-    return f"knob:{parameters[0]}" if ability == "knob" else ability
-
-
-def _refusals(keys: list[Binding]) -> list[Binding]:
-    """A hidden twin per source-dependent key: it runs when the key's own action is off for this source
-    (Textual tries a key's bindings in order), and says why."""
-    twins = []
-    for binding in keys:
-        _, name, parameters = parse(binding.action)
-        ability = _ability(name, parameters)
-        if ability is not None:
-            twins.append(Binding(binding.key, f"refuse({ability!r})", binding.description, show=False))
-    return twins
-
-
 class CommandAnswered(Message):
     """A source command's answer (None, or the refusal), back from the worker thread that sent it."""
 
@@ -77,59 +48,12 @@ class CommandAnswered(Message):
 
 
 class DashboardScreen(Screen):
-    """One source's dashboard. `q` quits the app; Esc goes back when another screen lies below."""
+    """One source's dashboard (its keys: tui/keys.py). `q` quits the app; Esc goes back when another
+    screen lies below."""
 
     CSS_PATH = "dashboard.tcss"
 
-    KEYS = [
-        Binding("question_mark", "help", "help", key_display="?"),
-        Binding("space", "toggle_pause", "pause"),
-        Binding("n,full_stop", "step", "step", key_display="n ."),
-        Binding("comma", "step_back", "step back", key_display=","),
-        Binding("g", "seek", "seek to step"),
-        Binding("plus,equals_sign", "speed(True)", "replay faster", show=False, key_display="+"),
-        Binding("minus", "speed(False)", "replay slower", show=False, key_display="-"),
-        Binding("k", "type_knob", "knob"),
-        Binding("m", "knob_step('max_num_seqs', False)", "max_num_seqs ÷2", show=False),
-        Binding("M", "knob_step('max_num_seqs', True)", "max_num_seqs ×2", show=False),
-        Binding("t", "knob_step('max_num_batched_tokens', False)", "token budget ÷2", show=False),
-        Binding("T", "knob_step('max_num_batched_tokens', True)", "token budget ×2", show=False),
-        Binding("c", "knob_step('long_prefill_token_threshold', False)", "chunk threshold ÷2 (→0: off)",
-                show=False),
-        Binding("C", "knob_step('long_prefill_token_threshold', True)", "chunk threshold ×2", show=False),
-        Binding("b", "cycle_knob('batching_mode')", "cycle batching mode", show=False),
-        Binding("left_square_bracket", "knob_step('load_rate', False)", "load rate ÷1.5", show=False,
-                key_display="["),
-        Binding("right_square_bracket", "knob_step('load_rate', True)", "load rate ×1.5", show=False,
-                key_display="]"),
-        Binding("d", "cycle_knob('length_dist')", "cycle length distribution", show=False),
-        Binding("z", "next_scenario", "next scenario of the reference text (docs/scenarios.md)", show=False),
-        Binding("a", "abort", "abort"),
-        Binding("r", "record", "rec"),
-        Binding("1", "view('requests')", "requests view", show=False),
-        Binding("2", "view('plots')", "plots view", show=False),
-        Binding("3", "view('events')", "events view", show=False),
-        Binding("4,enter", "view('timeline')", "timeline of the selected request", show=False,
-                key_display="4 ⏎"),
-        Binding("up", "move(-1)", "select up / scroll", show=False),
-        Binding("down", "move(1)", "select down / scroll", show=False),
-        Binding("pageup", "move(-10)", "page up", show=False),
-        Binding("pagedown", "move(10)", "page down", show=False),
-        Binding("s", "sort(False)", "sort by next column", show=False),
-        Binding("S", "sort(True)", "reverse sort", show=False),
-        Binding("x", "toggle_finished", "show/hide finished requests", show=False),
-        Binding("f", "filter_kinds", "event log: filter kinds", show=False),
-        Binding("slash", "filter_request", "event log: filter request id", show=False, key_display="/"),
-        Binding("e", "toggle_step_events", "event log: show/hide step events", show=False),
-        Binding("v", "freeze", "event log: freeze/unfreeze view", show=False),
-        Binding("w", "plot_window", "plots: next time window", show=False),
-        Binding("1", "view('engines')", "engines view", show=False),
-        Binding("3", "view('intervals')", "interval log", show=False),
-        Binding("e", "next_engine", "next engine"),
-        Binding("escape", "back", "back to the screen below", show=False, key_display="esc"),
-        Binding("q", "app.quit", "quit"),
-    ]
-    BINDINGS = KEYS + _refusals(KEYS)
+    BINDINGS = KEYS + refusals(KEYS)
 
     def __init__(self, source: Source | None = None, *, source_factory: Callable[[], Source] | None = None,
                  loading_what: str = "engine", tick_s: float | None = 0.1,
@@ -175,9 +99,11 @@ class DashboardScreen(Screen):
             return not self.description.can_do(parameters[0])
         if action == "view":
             return parameters[0] in self.views
+        if action == "back":                     # only where the dashboard lies over another screen
+            return self.app.screen_stack[0] is not self
         if action in EVENT_ACTIONS or action in SCRAPE_ACTIONS:
             return (action in SCRAPE_ACTIONS) == (self.scraped is not None)
-        ability = _ability(action, parameters)
+        ability = action_ability(action, parameters)
         return ability is None or self.description.can_do(ability)
 
     def action_refuse(self, ability: str) -> None:
@@ -411,7 +337,7 @@ class DashboardScreen(Screen):
 
     def action_help(self) -> None:
         """The keys this source serves, then one line per thing it cannot do and why."""
-        keys = [b for b in self.KEYS if self.check_action(*parse(b.action)[1:])]
+        keys = [b for b in KEYS if self.check_action(*parse(b.action)[1:])]
         intro = f"source: {self.source.kind} · {self.source.status()}"
         self.app.push_screen(HelpScreen(keys, intro, self.description.refusals()))
 
@@ -635,8 +561,7 @@ class DashboardScreen(Screen):
         self.app.push_screen(PromptScreen("record events to (JSONL):", default), done)
 
     def action_back(self) -> None:
-        if len(self.app.screen_stack) > 1 and self.app.screen is self:
-            self.app.pop_screen()
+        self.app.pop_screen()
 
     def on_unmount(self) -> None:
         if self._owns_source:
