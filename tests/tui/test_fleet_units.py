@@ -60,7 +60,8 @@ def test_the_rank_with_the_long_prefill_chunk_sets_the_pace():
              "rank 2": _steps([21, 19, 20, 22, 20])}
     pacer = find_pacer(ranks)
     assert (pacer.rank, pacer.step, pacer.request_id, pacer.chunk_tokens) == ("rank 1", 3, "r7", 512)
-    assert "rank 1 set the pace at step 3" in pacer.text() and "r7's prefill chunk of 512 tokens" in pacer.text()
+    assert "rank 1 set the pace at step 3" in pacer.text()
+    assert "r7's prefill chunk of 512 tokens" in pacer.text()
     even = {name: _steps([20] * 5) for name in ranks}
     assert find_pacer(even) is None
     apart = {"rank 0": _steps([20] * 5), "rank 1": _steps([90] * 5, start=100.1)}   # not in lock step
@@ -85,7 +86,8 @@ def test_step_stats_keep_each_steps_longest_chunk_and_the_token_gaps():
 
 
 def _arrived(step, t, request_id):
-    return RequestArrived(step=step, t=t, request_id=request_id, num_prompt_tokens=4, max_tokens=2, priority=0)
+    return RequestArrived(step=step, t=t, request_id=request_id, num_prompt_tokens=4, max_tokens=2,
+                          priority=0)
 
 
 def test_fleet_recording_read_back_per_engine_replayed_and_exported(tmp_path, capsys):
@@ -101,7 +103,8 @@ def test_fleet_recording_read_back_per_engine_replayed_and_exported(tmp_path, ca
     assert header["engine"] == "b" and header["url"] == "http://b:1" and "start_monotonic" not in header
     assert [e.request_id for e in events] == ["y", "z"]
     _, engines = read_fleet_log(path)
-    assert {name: [e.request_id for e in evs] for name, (_, evs) in engines.items()} == {"a": ["x"], "b": ["y", "z"]}
+    assert {name: [e.request_id for e in evs] for name, (_, evs) in engines.items()} == {
+        "a": ["x"], "b": ["y", "z"]}
     with pytest.raises(LogFormatError, match=r"records 2 engines \(a, b\): choose one with --engine NAME"):
         read_log(path)
 
