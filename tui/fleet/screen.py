@@ -171,7 +171,7 @@ class FleetScreen(Screen):
         if member.source is None:
             self.say(f"{member.name} is not connected yet: {member.rows[0].reason}", error=True)
             return
-        from ..app import DashboardScreen
+        from ..dashboard import DashboardScreen
         from .shared import SharedSource
         self.app.push_screen(DashboardScreen(SharedSource(member)))
 
@@ -225,7 +225,7 @@ class FleetScreen(Screen):
                              done)
 
     def _knob_to_all(self, name: str, value: str) -> None:
-        members = [m for m in self.members if m.source is not None and name in _offered(m)]
+        members = [m for m in self.members if _knob(m, name) is not None]
         if not members:
             self.say(f"no engine offers the knob {name!r}", error=True)
             return
@@ -241,7 +241,7 @@ class FleetScreen(Screen):
         vLLM's start value: refused here, named in the row, never sent); each answer in its row."""
         sent = []
         for member in members:
-            knob = _offered(member).get(name)
+            knob = _knob(member, name)
             if knob is None:
                 member.say(f"{name}: not a knob of this engine")
                 continue
@@ -251,8 +251,8 @@ class FleetScreen(Screen):
                 member.say(f"{name}={value}: refused here: {error}")
                 continue
             sent.append(member.name)
-            self._send(member, f"{name}={parsed}",
-                       lambda source, parsed=parsed: source.set_knob(name, parsed))
+            self._send(member, f"{knob.name}={parsed}",
+                       lambda source, knob=knob, parsed=parsed: source.set_knob(knob.name, parsed))
         self.say(f"{name}={value} sent to {', '.join(sent)}" if sent else f"{name}={value} sent to no engine",
                  error=not sent)
 
@@ -308,6 +308,12 @@ class FleetScreen(Screen):
 def _offered(member: Member) -> dict:
     source = member.source
     return source.offered_knobs() if source is not None and not source.read_only else {}
+
+
+def _knob(member: Member, name: str):
+    """The member's knob called `name` (or labelled so: "seqs"), None when it has none."""
+    offered = _offered(member)
+    return offered.get(name) or next((k for k in offered.values() if k.label == name), None)
 
 
 def _engine_header(member: Member) -> dict:
