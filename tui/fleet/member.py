@@ -3,7 +3,7 @@ holds the screen.
 
 The thread finds out what answers at the URL (`detect`: batchtop's event stream, else a vLLM or SGLang
 `/metrics`), builds the source the single-engine dashboard would use (`RemoteSource` or
-`MetricsSource`), and then, every `poll_s`, drains it into a `DashboardModel` and `StepStats` and
+`MetricsSource`), and then, every `poll_s` (20 ms), drains it into a `DashboardModel` and `StepStats` and
 publishes the engine's rows (`rows`: immutable, read by the UI thread). Nothing answering, or a server
 gone, is a row marked down with the reason; the thread (and the sources' own) retry with backoff.
 
@@ -24,10 +24,12 @@ from .targets import Target
 
 KIND_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 MAX_KEPT_EVENTS = 20_000        # handed to a dashboard opened later, so it starts with recent history
+POLL_S = 0.02                   # draining an idle source is a lock and an empty list: poll often, for latency
+ROW_EVERY_S = 0.5               # without new events the row is rebuilt this often (ages, decaying rates)
 
 
 class Member:
-    def __init__(self, target: Target, api_key: str | None = None, *, poll_s: float = 0.1,
+    def __init__(self, target: Target, api_key: str | None = None, *, poll_s: float = POLL_S,
                  period_s: float = 1.0, backoff_s: tuple[float, float] = (0.5, 8.0)):
         self.target = target
         self.name, self.url = target.name, target.url
@@ -48,6 +50,7 @@ class Member:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._scrape_key: tuple | None = None
+        self._row_at = float("-inf")
 
     # -- the thread --------------------------------------------------------------------------
 
@@ -119,6 +122,9 @@ class Member:
             for tap in taps:
                 tap(self, events, poll.reset)
             self.steps = tuple(self.stats.steps)
+        if not events and not poll.reset and time.monotonic() - self._row_at < ROW_EVERY_S:
+            return
+        self._row_at = time.monotonic()
         now = source.now()
         if now is not None:
             self.model.advance(now)

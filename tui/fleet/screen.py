@@ -1,6 +1,6 @@
 """`FleetScreen`: the fleet table, its keys, and the commands that go to one engine or to all.
 
-Each engine is a `Member` that follows it on its own thread; once per tick (~10 Hz) the screen reads
+Each engine is a `Member` that follows it on its own thread; once per tick (20 Hz) the screen reads
 their published rows and redraws when one changed (once a second otherwise: ages move). Commands to an
 engine wait on the network, so they run on worker threads; each answer comes back as a
 `FleetAnswered` message and is shown in that engine's row. Enter opens the selected engine's full
@@ -25,7 +25,8 @@ from .pace import find_pacer
 from .rows import FleetRow
 from .table import COLUMNS, FleetTable
 
-IDLE_REDRAW_TICKS = 10
+TICK_S = 0.05                 # a row that changed is redrawn within 50 ms (the decision-to-screen figure)
+IDLE_REDRAW_TICKS = 20        # with nothing new, redraw once a second (ages move)
 
 
 class FleetAnswered(Message):
@@ -54,7 +55,7 @@ class FleetScreen(Screen):
         Binding("q", "app.quit", "quit"),
     ]
 
-    def __init__(self, members: list[Member], *, tick_s: float | None = 0.1,
+    def __init__(self, members: list[Member], *, tick_s: float | None = TICK_S,
                  on_draw: Callable[[list[FleetRow], float], None] | None = None):
         super().__init__()
         self.members = members
