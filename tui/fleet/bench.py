@@ -111,8 +111,11 @@ async def measure(urls: list[str], seconds: float, warmup_s: float = 5.0) -> dic
         member.tap(probe.tap)
     app = FleetApp(members, on_draw=probe.drawn)
     async with app.run_test(size=SIZE) as pilot:
+        deadline = time.monotonic() + 120
+        while not all(m.rows[0].state == "live" for m in members):
+            assert time.monotonic() < deadline, [m.rows[0] for m in members]
+            await pilot.pause(0.5)
         await pilot.pause(warmup_s)
-        assert all(m.rows[0].state == "live" for m in members), [m.rows[0] for m in members]
         with probe.lock:
             probe.measuring = True
             probe.latencies.clear()
