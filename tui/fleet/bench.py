@@ -21,7 +21,7 @@ from collections import deque
 
 from batchtop.engine.bench.figures import commit, cpu_name, publish
 from batchtop.telemetry.events import StepPlanned
-from batchtop.telemetry.metrics import percentile
+from batchtop.telemetry.run_stats import percentile
 
 SECTION = "## Fleet screen"
 SIZE = (160, 40)

@@ -14,7 +14,7 @@ PROBE_TIMEOUT_S = 3.0
 
 def probe(found: list[Target], api_key: str | None) -> dict[str, str | None]:
     """Engine name -> None when something batchtop can show answers at its URL, else why not."""
-    from ..metrics.source import NotAServer, detect
+    from ..sources.scrape import NotAServer, detect
 
     def one(target: Target) -> str | None:
         try:

@@ -78,8 +78,8 @@ class Member:
 
     def _connect(self) -> str | None:
         """Detect and build the source; the reason as text when nothing usable answers."""
-        from ..metrics.source import MetricsSource, NotAServer, detect
-        from ..remote_source import RemoteSource
+        from ..sources.remote import RemoteSource
+        from ..sources.scrape import MetricsSource, NotAServer, detect
         try:
             flavour = detect(self.url, self.api_key, timeout_s=min(5.0, self.backoff_s[1]))
         except NotAServer as error:

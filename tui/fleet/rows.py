@@ -19,7 +19,7 @@ from batchtop.telemetry.events import (
     StepFinished,
     StepPlanned,
 )
-from batchtop.telemetry.metrics import percentile
+from batchtop.telemetry.run_stats import percentile
 
 LATENCY_WINDOW_S = 10.0          # TTFT / ITL p50 over the samples of the last 10 s (as the dashboard's plots)
 MAX_SAMPLES = 2048
