@@ -308,7 +308,7 @@ class FleetScreen(Screen):
 
 def _offered(member: Member) -> dict:
     source = member.source
-    return source.offered_knobs() if source is not None and not source.read_only else {}
+    return dict(source.describe().knobs) if source is not None else {}
 
 
 def _knob(member: Member, name: str):
