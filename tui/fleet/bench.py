@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import socket
 import sys
 import threading
@@ -124,12 +125,13 @@ async def measure(urls: list[str], seconds: float, warmup_s: float = 5.0) -> dic
         cpu0, wall0 = time.process_time(), time.monotonic()
         await pilot.pause(seconds)
         cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        loadavg = os.getloadavg()[0]
         probe.measuring = False
     latencies = sorted(probe.latencies)
     arrivals, screen = sorted(probe.arrivals), sorted(probe.screen)
     return {"arrival_p50": percentile(arrivals, 50), "arrival_p99": percentile(arrivals, 99),
             "screen_p50": percentile(screen, 50), "screen_p99": percentile(screen, 99),
-            "hz": len(probe.draws) / wall, "cpu": cpu / wall, "n": len(latencies),
+            "load": loadavg, "hz": len(probe.draws) / wall, "cpu": cpu / wall, "n": len(latencies),
             "p50": percentile(latencies, 50), "p99": percentile(latencies, 99), "max": latencies[-1]}
 
 
@@ -171,12 +173,14 @@ def main(argv=None) -> int:
              "per second; CPU: this process's CPU seconds per wall second (UI thread, the engines' poll "
              "and stream threads); latency: each StepPlanned event's own time to the render of the row "
              "that first shows it, split into its way to the fleet (the engine's pump, the stream, the poll "
-             "thread receiving it) and the fleet's own part (folded, row built, tick, render).", "",
-             "| round | redraws/s | CPU s / s | decisions | decision → screen p50 / p99 / max ms "
+             "thread receiving it) and the fleet's own part (folded, row built, tick, render). Load avg: the "
+             "host's 1-minute load average at the end of the round (2 cores).", "",
+             "| round | load avg | redraws/s | CPU s / s | decisions | decision → screen p50 / p99 / max ms "
              "| → poll thread p50 / p99 ms | poll thread → screen p50 / p99 ms |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for i, run in enumerate(runs, 1):
-        lines.append(f"| {i} | {run['hz']:.1f} | {run['cpu']:.2f} | {run['n']} | {ms(run['p50'])} / "
+        lines.append(f"| {i} | {run['load']:.1f} | {run['hz']:.1f} | {run['cpu']:.2f} | {run['n']} | "
+                     f"{ms(run['p50'])} / "
                      f"{ms(run['p99'])} / {ms(run['max'])} | {ms(run['arrival_p50'])} / "
                      f"{ms(run['arrival_p99'])} "
                      f"| {ms(run['screen_p50'])} / {ms(run['screen_p99'])} |")
