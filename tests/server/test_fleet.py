@@ -138,7 +138,8 @@ def test_fleet_over_two_serves(pair, tmp_path):
             await pilot.press("y")
             await until(pilot, app, lambda: knob(wide, "max_num_seqs") == 6 == knob(narrow, "max_num_seqs"),
                         what="knob to all")
-            await until(pilot, app, lambda: all("max_num_seqs=6: done" in m.rows[0].reason for m in members),
+            await until(pilot, app,
+                        lambda: all("max_num_seqs=6: accepted" in m.rows[0].reason for m in members),
                         what="each engine's answer in its row")
             for thread in threads:
                 thread.join(60)

@@ -50,6 +50,14 @@ async def until(pilot, app, check, what, timeout_s=30.0):
     raise AssertionError(f"timed out waiting for {what}: {[m.rows for m in app.members]}")
 
 
+async def step(url):
+    """One short completion on vLLM, so that it runs a step (and applies what is queued)."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        answer = await client.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "Hello",
+                                                                  "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+
+
 async def answer(pilot, app, key, text):
     await pilot.press(key)
     app.screen.query_one(Input).value = text
@@ -87,6 +95,9 @@ def test_fleet_over_two_serves_and_a_real_vllm(vllm_server, serves):
             # within it: all three
             await answer(pilot, app, "K", "max_num_seqs=1")
             await pilot.press("y")
+            await until(pilot, app, lambda: "max_num_seqs=1: accepted" in members[2].rows[0].reason,
+                        "vLLM's answer")
+            await step(launched.url)        # vLLM applies a knob before its next step
             await until(pilot, app, lambda: [knobs(serves[0])["max_num_seqs"],
                                              knobs(serves[1])["max_num_seqs"],
                                              knobs(events_url, key=True)["max_num_seqs"]] == [1, 1, 1],
@@ -94,6 +105,9 @@ def test_fleet_over_two_serves_and_a_real_vllm(vllm_server, serves):
             # to the selected engine alone: vLLM back to its start value
             app.fleet.table.selected = "vllm"
             await answer(pilot, app, "k", f"max_num_seqs={vllm_limit}")
+            back = f"max_num_seqs={vllm_limit}: accepted"
+            await until(pilot, app, lambda: back in members[2].rows[0].reason, "vLLM's answer")
+            await step(launched.url)
             await until(pilot, app, lambda: knobs(events_url, key=True)["max_num_seqs"] == vllm_limit,
                         "knob to one")
             assert knobs(serves[0])["max_num_seqs"] == 1

@@ -201,7 +201,7 @@ class FleetScreen(Screen):
         self.run_worker(send, thread=True, group=f"commands-{member.name}", exit_on_error=False)
 
     def on_fleet_answered(self, message: FleetAnswered) -> None:
-        answer = f"{message.what}: refused: {message.error}" if message.error else f"{message.what}: done"
+        answer = f"{message.what}: refused: {message.error}" if message.error else f"{message.what}: accepted"
         message.member.say(answer)
         self.say(f"{message.member.name}: {answer}", error=bool(message.error))
 
