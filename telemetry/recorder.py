@@ -65,6 +65,7 @@ def upgrade_v2(data: dict) -> dict:
     return {**defaults, **data} if defaults else data
 
 
+ALL_ENGINES = "*"                     # LogReader: every engine of a fleet recording, header as written
 DEFAULT_RECORDER_MAXLEN = 100_000     # at the default 0.2 s flush: 500k events/s before loss
 
 # Compact separators; default=str keeps an odd knob value (say an enum) from
@@ -83,6 +84,11 @@ def decode_event(text: str | bytes, schema_version: int = SCHEMA_VERSION) -> Eve
     data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"an event is a JSON object, got {type(data).__name__}")
+    return event_of(data, schema_version)
+
+
+def event_of(data: dict, schema_version: int = SCHEMA_VERSION) -> Event:
+    """An event dict (as decoded from a line) as an event of the current schema."""
     if schema_version == 1:
         data = upgrade_v1(data)
     if schema_version <= 2:
@@ -226,18 +232,45 @@ class LogReader:
 
     After iteration, `truncated` is True when an unparseable last line (a
     crash mid-write) was skipped.
+
+    A fleet recording (many engines in one log, `telemetry/fleet_log.py`) is read one engine at a
+    time: `engine=NAME` gives that engine's header (as a log of its own would have) and events; without
+    it, LogFormatError names the engines to choose from. `engine=ALL_ENGINES` reads the header as written
+    and every engine's events, `event_engine` naming the engine of the event just yielded.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, engine: str | None = None):
         self.path = os.fspath(path)
         self.truncated = False
+        self.engine = engine
+        self.event_engine: str | None = None
         self._file = open(self.path, "rb")
         self._line_no = 0
         try:
             self.header = self._read_header()
+            self._version = self.header["schema_version"]
+            self.header = self._engine_header(self.header)
         except BaseException:
             self._file.close()
             raise
+
+    def _engine_header(self, header: dict) -> dict:
+        from .fleet_log import engine_header, engine_names
+        names = engine_names(header)
+        if self.engine == ALL_ENGINES:
+            return header
+        if names is None:
+            if self.engine is not None:
+                raise LogFormatError(f"{self.path} is the log of one engine: it has no engine "
+                                     f"{self.engine!r} to choose")
+            return header
+        if self.engine is None:
+            raise LogFormatError(f"{self.path} records {len(names)} engines ({', '.join(names)}): "
+                                 "choose one with --engine NAME")
+        if self.engine not in names:
+            raise LogFormatError(f"{self.path} has no engine {self.engine!r}; "
+                                 f"its engines: {', '.join(names)}")
+        return engine_header(header, self.engine)
 
     def _error(self, line_no: int, reason: str) -> LogFormatError:
         return LogFormatError(f"{self.path}:{line_no}: {reason}")
@@ -266,7 +299,14 @@ class LogReader:
             if not raw.strip():
                 continue
             try:
-                event = decode_event(raw, self.header["schema_version"])
+                data = json.loads(raw)
+                if not isinstance(data, dict):
+                    raise ValueError(f"an event is a JSON object, got {type(data).__name__}")
+                if self.engine is not None:
+                    self.event_engine = data.pop("engine", None)
+                    if self.event_engine != self.engine and self.engine != ALL_ENGINES:
+                        continue
+                event = event_of(data, self._version)
             except (ValueError, TypeError) as exc:
                 if self._rest_is_empty():
                     self.truncated = True
@@ -288,13 +328,20 @@ class LogReader:
         self.close()
 
 
-def iter_log(path: str | os.PathLike) -> Iterator[Event]:
+def read_header(path: str | os.PathLike) -> dict:
+    """The header line of a log as written (a fleet recording's with all its engines)."""
+    with LogReader(path, ALL_ENGINES) as log:
+        return log.header
+
+
+def iter_log(path: str | os.PathLike, engine: str | None = None) -> Iterator[Event]:
     """The events of a log, lazily (the header is checked before the first one)."""
-    with LogReader(path) as log:
+    with LogReader(path, engine) as log:
         yield from log
 
 
-def read_log(path: str | os.PathLike) -> tuple[dict, list[Event]]:
-    """(header, events) of a whole log; a truncated last line is skipped."""
-    with LogReader(path) as log:
+def read_log(path: str | os.PathLike, engine: str | None = None) -> tuple[dict, list[Event]]:
+    """(header, events) of a whole log (of one engine of a fleet recording); a truncated last line is
+    skipped."""
+    with LogReader(path, engine) as log:
         return log.header, list(log)

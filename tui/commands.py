@@ -83,6 +83,8 @@ def add_replay(sub) -> None:
     replay.add_argument("log", help="a JSONL event log (batchtop --record, or r in the dashboard)")
     replay.add_argument("--speed", type=float, default=1.0, help="playback speed")
     replay.add_argument("--paused", action="store_true", help="start paused at the beginning")
+    replay.add_argument("--engine", metavar="NAME", help="of a fleet recording (batchtop top over several "
+                                                         "engines): the engine to show")
     replay.set_defaults(func=cmd_replay)
 
 
@@ -90,7 +92,7 @@ def cmd_replay(args) -> int:
     from .app import BatchtopApp
     from .sources import ReplaySource
     try:
-        source = ReplaySource.from_file(args.log, speed=args.speed, paused=args.paused)
+        source = ReplaySource.from_file(args.log, speed=args.speed, paused=args.paused, engine=args.engine)
     except OSError as error:
         print(f"batchtop: error: cannot read {args.log}: {error.strerror}", file=sys.stderr)
         return 2
@@ -101,9 +103,17 @@ def cmd_replay(args) -> int:
 # -- the dashboard over a running server ---------------------------------------------------------------
 
 def add_top(sub) -> None:
-    top = sub.add_parser("top", help="the dashboard over a running server: batchtop serve, batchtop's "
-                                     "scheduler in vLLM, or any vLLM / SGLang through /metrics")
-    top.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    top = sub.add_parser("top", help="the dashboard over a running server (batchtop serve, batchtop's "
+                                     "scheduler in vLLM, or any vLLM / SGLang through /metrics); over "
+                                     "several, the fleet table")
+    top.add_argument("urls", nargs="*", metavar="URL", help="a server, e.g. http://127.0.0.1:8000")
+    top.add_argument("--url", action="append", default=[], dest="more_urls", metavar="URL",
+                     help="a server (repeatable: two or more open the fleet table)")
+    top.add_argument("--urls-file", metavar="FILE", help="servers, one `URL [NAME]` a line, # comments")
+    top.add_argument("--base-port", type=int, metavar="P",
+                     help="a data-parallel vLLM: rank r serves batchtop's endpoint on P + r (with --ranks)")
+    top.add_argument("--ranks", type=int, metavar="N", help="the data-parallel ranks behind --base-port")
+    top.add_argument("--host", default="127.0.0.1", help="the host of --base-port (default 127.0.0.1)")
     top.add_argument("--api-key", default=os.environ.get("BATCHTOP_API_KEY"))
     top.add_argument("--period", type=float, default=1.0, metavar="SECONDS",
                      help="over /metrics: scrape every SECONDS (default 1)")
@@ -115,20 +125,29 @@ def add_top(sub) -> None:
 
 
 def cmd_top(args) -> int:
-    """batchtop's own events where the server publishes them, else its /metrics (fewer panels)."""
+    """One server: its dashboard (batchtop's events where it publishes them, else its /metrics). Several:
+    the fleet table."""
+    from .fleet.targets import targets
+    found = targets(args.urls + args.more_urls, args.urls_file, args.base_port, args.ranks, args.host)
+    if args.period <= 0:
+        raise ValueError(f"--period must be > 0 s, got {args.period:g}")
+    if len(found) > 1:
+        from .fleet.commands import run_fleet
+        return run_fleet(found, args.api_key, period_s=args.period)
+    url = found[0].url
     from .sources.scrape import MetricsSource, NotAServer, detect
     try:
-        kind = detect(args.url, args.api_key)
+        kind = detect(url, args.api_key)
     except NotAServer as error:
         print(f"batchtop: {error}", file=sys.stderr)
         return 2
     from .app import BatchtopApp
     if kind == "events":
         from .sources.remote import RemoteSource
-        BatchtopApp(source_factory=lambda: RemoteSource(args.url, args.api_key), loading_what=args.url,
+        BatchtopApp(source_factory=lambda: RemoteSource(url, args.api_key), loading_what=url,
                     refresh_s=args.refresh).run()
         return 0
-    BatchtopApp(MetricsSource(args.url, kind, args.api_key, period_s=args.period), engine=args.engine).run()
+    BatchtopApp(MetricsSource(url, kind, args.api_key, period_s=args.period), engine=args.engine).run()
     return 0
 
 

@@ -12,6 +12,7 @@ def add_whatif(sub) -> None:
     p = sub.add_parser("whatif", help="re-schedule a recording under other knobs, on step times fitted "
                                       "from the recording itself")
     p.add_argument("recording", help="a batchtop event log (batchtop record, the dashboard's recording)")
+    p.add_argument("--engine", metavar="NAME", help="of a fleet recording: the engine to re-schedule")
     p.add_argument("--set", action="append", default=[], metavar="KNOB=V1,V2",
                    help="knob values to run (repeat for a grid over several knobs)")
     p.add_argument("--json", action="store_true", help="one JSON object: fit, identity, a row per run")
@@ -32,6 +33,7 @@ def add_diff(sub) -> None:
 def add_tune(sub) -> None:
     p = sub.add_parser("tune", help="the knobs with the most throughput within an SLO, from what-if runs")
     p.add_argument("recording")
+    p.add_argument("--engine", metavar="NAME", help="of a fleet recording: the engine to tune")
     p.add_argument("--slo", action="append", default=[], metavar="METRIC=DURATION",
                    help="ttft_p50|ttft_p99|itl_p50|itl_p99|e2e_p50|e2e_p99 bound, e.g. ttft_p99=2s")
     p.add_argument("--knob", action="append", default=[], metavar="KNOB=LOW..HIGH",
@@ -49,7 +51,7 @@ def add_tune(sub) -> None:
 def cmd_whatif(args) -> int:
     from .grid import format_table, parse_settings, whatif, write_runs
     from .recording import read_recording
-    rec = read_recording(args.recording)
+    rec = read_recording(args.recording, args.engine)
     if rec.setup.vllm is not None:
         from .vllm_replay import VLLM_MAX_NUM_SEQS, whatif_vllm
         result = whatif_vllm(rec, parse_settings(args.set, VLLM_MAX_NUM_SEQS))
@@ -86,7 +88,7 @@ def cmd_tune(args) -> int:
         raise ValueError("give at least one --slo, e.g. --slo ttft_p99=2s")
     if args.verify and not args.apply:
         raise ValueError("--verify needs --apply URL")
-    rec = read_recording(args.recording)
+    rec = read_recording(args.recording, args.engine)
     if rec.setup.vllm is not None:
         raise ValueError(f"{rec.path}: tune runs batchtop's scheduler; for a recording made inside vLLM "
                          "run the grid with batchtop whatif --set")

@@ -95,9 +95,10 @@ def vllm_version(header: dict) -> str:
     return ".".join(release.split(".")[:2])
 
 
-def read_recording(path: str) -> Recording:
-    """The recording at `path`; ValueError (one line) when it cannot be replayed."""
-    with LogReader(path) as log:
+def read_recording(path: str, engine: str | None = None) -> Recording:
+    """The recording at `path` (of one engine of a fleet recording: `engine`); ValueError (one line)
+    when it cannot be replayed."""
+    with LogReader(path, engine) as log:
         header = log.header
         events = list(log)
         if log.truncated:

@@ -55,9 +55,10 @@ class ReplaySource(Source):
         return self.DESCRIPTION
 
     @classmethod
-    def from_file(cls, path: str, **kwargs) -> ReplaySource:
+    def from_file(cls, path: str, engine: str | None = None, **kwargs) -> ReplaySource:
+        """The log at `path` (one engine of a fleet recording: `engine`; LogFormatError names them)."""
         from batchtop.telemetry.recorder import read_log
-        header, events = read_log(path)
+        header, events = read_log(path, engine)
         return cls(header, events, **kwargs)
 
     # -- playback -----------------------------------------------------------------------------

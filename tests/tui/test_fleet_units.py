@@ -1,0 +1,132 @@
+"""The fleet's parts without a server: which engines the command line names, the pace of
+data-parallel ranks, a fleet recording written, read back per engine, replayed and exported."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchtop.telemetry.events import PrefillChunk, RequestArrived, StepFinished, StepPlanned
+from batchtop.telemetry.fleet_log import FleetRecorder, read_fleet_log
+from batchtop.telemetry.recorder import LogFormatError, read_log
+from batchtop.tui.cli import main
+from batchtop.tui.fleet.pace import find_pacer
+from batchtop.tui.fleet.rows import StepRecord, StepStats
+from batchtop.tui.fleet.targets import targets
+
+
+def test_targets_from_urls_file_and_ranks(tmp_path):
+    listing = tmp_path / "engines.txt"
+    listing.write_text("# replicas\nhttp://10.0.0.1:8000/ east\n\nhttp://10.0.0.2:8000  # west, unnamed\n")
+    found = targets(["http://127.0.0.1:9000"], str(listing), base_port=7000, ranks=2)
+    assert [(t.name, t.url, t.rank) for t in found] == [
+        ("127.0.0.1:9000", "http://127.0.0.1:9000", None), ("east", "http://10.0.0.1:8000", None),
+        ("10.0.0.2:8000", "http://10.0.0.2:8000", None),
+        ("rank 0", "http://127.0.0.1:7000", 0), ("rank 1", "http://127.0.0.1:7001", 1)]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["top"], "no engine to watch"),
+    (["top", "--urls-file", "/no/such/file"], "cannot read the URLs file"),
+    (["top", "--url", "ftp://x"], "not an engine URL"),
+    (["top", "--ranks", "2"], "--base-port and --ranks go together"),
+    (["top", "http://127.0.0.1:1", "http://127.0.0.1:2"], "none of the 2 engines answers"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
+    assert main(argv) == 2
+    # (an engine another test left in this process may add its flight recorder's line)
+    lines = capsys.readouterr().err.splitlines()
+    errors = [line for line in lines if "error" in line and "flight" not in line]
+    assert len(errors) == 1 and says in errors[0]
+
+
+def test_bad_urls_file_line(tmp_path, capsys):
+    listing = tmp_path / "engines.txt"
+    listing.write_text("http://127.0.0.1:8000\nnot a url at all\n")
+    assert main(["top", "--urls-file", str(listing)]) == 2
+    assert f"{listing}:2: want `URL [NAME]`" in capsys.readouterr().err
+
+
+def _steps(durations_ms, start=100.0, period=0.2, chunk=None):
+    out = []
+    for i, ms in enumerate(durations_ms):
+        t = start + i * period
+        request, tokens = chunk[1] if chunk and chunk[0] == i else ("", 0)
+        out.append(StepRecord(i, t, t + ms / 1000, request, tokens))
+    return out
+
+
+def test_the_rank_with_the_long_prefill_chunk_sets_the_pace():
+    ranks = {"rank 0": _steps([20, 20, 20, 20, 20]),
+             "rank 1": _steps([20, 20, 20, 90, 20], chunk=(3, ("r7", 512))),
+             "rank 2": _steps([21, 19, 20, 22, 20])}
+    pacer = find_pacer(ranks)
+    assert (pacer.rank, pacer.step, pacer.request_id, pacer.chunk_tokens) == ("rank 1", 3, "r7", 512)
+    assert "rank 1 set the pace at step 3" in pacer.text()
+    assert "r7's prefill chunk of 512 tokens" in pacer.text()
+    even = {name: _steps([20] * 5) for name in ranks}
+    assert find_pacer(even) is None
+    apart = {"rank 0": _steps([20] * 5), "rank 1": _steps([90] * 5, start=100.1)}   # not in lock step
+    assert find_pacer(apart) is None
+
+
+def test_step_stats_keep_each_steps_longest_chunk_and_the_token_gaps():
+    stats = StepStats()
+    common = dict(num_rows=2, num_tokens=9, num_running=2, num_waiting=0, kv_blocks_used=1,
+                  kv_blocks_total=8, schedule_s=0, prepare_s=0, forward_s=0, sample_s=0, update_s=0)
+    plan = dict(prefill_tokens=8, recompute_tokens=0, decode_tokens=1, num_prefill_rows=1,
+                num_recompute_rows=0, num_decode_rows=1, num_padding_rows=0, token_budget=64, num_running=2,
+                num_waiting=0, kv_blocks_used=1, kv_blocks_total=8)
+    stats.feed([StepPlanned(step=1, t=1.0, **plan),
+                PrefillChunk(step=1, t=1.0, request_id="a", num_tokens=8, num_computed_tokens=8,
+                             num_known_tokens=8),
+                StepFinished(step=1, t=1.25, sampled_request_ids=("a",), **common),
+                StepPlanned(step=2, t=1.3, **plan),
+                StepFinished(step=2, t=1.35, sampled_request_ids=("a",), **common)])
+    assert list(stats.steps) == [StepRecord(1, 1.0, 1.25, "a", 8), StepRecord(2, 1.3, 1.35, "", 0)]
+    assert [gap for _, gap in stats.itl] == [pytest.approx(0.1)]
+
+
+def _arrived(step, t, request_id):
+    return RequestArrived(step=step, t=t, request_id=request_id, num_prompt_tokens=4, max_tokens=2,
+                          priority=0)
+
+
+def test_fleet_recording_read_back_per_engine_replayed_and_exported(tmp_path, capsys):
+    path = tmp_path / "fleet.jsonl"
+    recorder = FleetRecorder(path, {"a": {"url": "http://a:1", "model": "tiny", "knobs": {"max_num_seqs": 4},
+                                          "start_monotonic": 10.0},
+                                    "b": {"url": "http://b:1", "model": "tiny", "knobs": {}}})
+    recorder.write("a", [_arrived(0, 10.5, "x")])
+    recorder.write("b", [_arrived(0, 11.0, "y"), _arrived(1, 11.5, "z")])
+    recorder.close()
+    assert json.loads(path.read_text().splitlines()[1])["engine"] == "a"
+    header, events = read_log(path, "b")
+    assert header["engine"] == "b" and header["url"] == "http://b:1" and "start_monotonic" not in header
+    assert [e.request_id for e in events] == ["y", "z"]
+    _, engines = read_fleet_log(path)
+    assert {name: [e.request_id for e in evs] for name, (_, evs) in engines.items()} == {
+        "a": ["x"], "b": ["y", "z"]}
+    with pytest.raises(LogFormatError, match=r"records 2 engines \(a, b\): choose one with --engine NAME"):
+        read_log(path)
+
+    assert main(["replay", str(path)]) == 2                       # says how to choose, in one line
+    assert "choose one with --engine NAME" in capsys.readouterr().err
+    from batchtop.tui.sources import ReplaySource
+    replay = ReplaySource.from_file(str(path), engine="a", clock=lambda: 0.0)
+    assert replay.knobs == {"max_num_seqs": 4} and len(replay.events) == 1
+
+    assert main(["export", str(path), "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("engine,request_id") and [line.split(",")[:2] for line in lines[1:]] == [
+        ["a", "x"], ["b", "y"], ["b", "z"]]
+    trace_path = tmp_path / "trace.json"
+    assert main(["export", str(path), "--format", "chrome", "--out", str(trace_path)]) == 0
+    trace = json.loads(trace_path.read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert names == {"a: batch (tiny)", "a: engine", "b: batch (tiny)", "b: engine"}
+    assert main(["export", str(path)]) == 0
+    summary = capsys.readouterr().out
+    assert "== engine a (http://a:1) ==" in summary and "== engine b (http://b:1) ==" in summary
+    assert main(["export", str(path), "--engine", "b", "--format", "csv"]) == 0
+    assert [line.split(",")[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["y", "z"]

@@ -1,0 +1,122 @@
+"""The fleet screen over three engines at once: two `batchtop serve --model tiny` with different knobs
+and the session's real vLLM with batchtop's class (its side endpoint behind an API key). Rows against
+each engine's /metrics, a knob to one engine and to all (vLLM's limit respected, each knob read back
+over GET /v1/knobs), Enter/Esc on the vLLM row."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from textual.widgets import Input
+from vllm_helpers import AUTH, EVENTS_API_KEY
+
+from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.server.app import ServerThread, build_server
+from batchtop.telemetry.exposition import parse_exposition
+from batchtop.tui.dashboard import DashboardScreen
+from batchtop.tui.fleet.member import Member
+from batchtop.tui.fleet.screen import FleetApp
+from batchtop.tui.fleet.targets import Target
+
+
+@pytest.fixture(scope="module")
+def serves():
+    out = []
+    loaded = None
+    for seqs in (8, 2):
+        config = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=256, max_num_seqs=seqs)
+        server = build_server(config, loaded=loaded)
+        loaded = server.engine.loaded
+        out.append((server, ServerThread(server).start()))
+    yield [thread.url for _, thread in out]
+    for server, thread in out:
+        thread.stop()
+        server.loop.stop()
+
+
+def knobs(url, key=False):
+    return httpx.get(url + "/v1/knobs", headers=AUTH if key else {}, timeout=10).json()["knobs"]
+
+
+async def until(pilot, app, check, what, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app.fleet.tick()
+        if check():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out waiting for {what}: {[m.rows for m in app.members]}")
+
+
+async def step(url):
+    """One short completion on vLLM, so that it runs a step (and applies what is queued)."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        answer = await client.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "Hello",
+                                                                  "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+
+
+async def answer(pilot, app, key, text):
+    await pilot.press(key)
+    app.screen.query_one(Input).value = text
+    await pilot.press("enter")
+
+
+def test_fleet_over_two_serves_and_a_real_vllm(vllm_server, serves):
+    launched, events_url = vllm_server
+    members = [Member(Target("serve-8", serves[0])), Member(Target("serve-2", serves[1])),
+               Member(Target("vllm", events_url), api_key=EVENTS_API_KEY)]
+    vllm_limit = knobs(events_url, key=True)["max_num_seqs"]
+
+    async def drive():
+        app = FleetApp(members, tick_s=None)
+        async with app.run_test(size=(200, 30)) as pilot:
+            await until(pilot, app, lambda: all(m.rows[0].state == "live" for m in members), "live rows")
+            kinds = {m.name: m.rows[0].kind for m in members}
+            assert kinds == {"serve-8": "batchtop serve", "serve-2": "batchtop serve",
+                             "vllm": "batchtop-in-vLLM"}
+            await until(pilot, app, lambda: members[2].rows[0].running == 0, "vLLM idle")
+            exposition = httpx.get(launched.url + "/metrics").text
+            (scraped,) = parse_exposition(exposition, 0.0, "vllm").engines.values()
+            vllm_row = members[2].rows[0]
+            assert (vllm_row.running, vllm_row.waiting) == (scraped.running, scraped.waiting) == (0, 0)
+            assert vllm_row.knobs["max_num_seqs"] == vllm_limit
+
+            # above vLLM's start value: refused for vLLM (named in its row, never sent), set on both serves
+            app.fleet.table.selected = "serve-8"
+            await answer(pilot, app, "K", f"max_num_seqs={vllm_limit + 1}")
+            await pilot.press("y")
+            await until(pilot, app, lambda: knobs(serves[0])["max_num_seqs"] == vllm_limit + 1
+                        == knobs(serves[1])["max_num_seqs"], "knob to all")
+            assert "refused here" in members[2].rows[0].reason
+            assert knobs(events_url, key=True)["max_num_seqs"] == vllm_limit
+            # within it: all three
+            await answer(pilot, app, "K", "max_num_seqs=1")
+            await pilot.press("y")
+            await until(pilot, app, lambda: "max_num_seqs=1: accepted" in members[2].rows[0].reason,
+                        "vLLM's answer")
+            await step(launched.url)        # vLLM applies a knob before its next step
+            await until(pilot, app, lambda: [knobs(serves[0])["max_num_seqs"],
+                                             knobs(serves[1])["max_num_seqs"],
+                                             knobs(events_url, key=True)["max_num_seqs"]] == [1, 1, 1],
+                        "knob to all three")
+            # to the selected engine alone: vLLM back to its start value
+            app.fleet.table.selected = "vllm"
+            await answer(pilot, app, "k", f"max_num_seqs={vllm_limit}")
+            back = f"max_num_seqs={vllm_limit}: accepted"
+            await until(pilot, app, lambda: back in members[2].rows[0].reason, "vLLM's answer")
+            await step(launched.url)
+            await until(pilot, app, lambda: knobs(events_url, key=True)["max_num_seqs"] == vllm_limit,
+                        "knob to one")
+            assert knobs(serves[0])["max_num_seqs"] == 1
+
+            await pilot.press("enter")
+            assert isinstance(app.screen, DashboardScreen) and app.screen.source.kind == "remote"
+            await pilot.press("escape")
+            assert app.screen is app.fleet
+    try:
+        asyncio.run(drive())
+    finally:
+        httpx.post(events_url + "/v1/knobs", json={"name": "max_num_seqs", "value": vllm_limit}, headers=AUTH)
