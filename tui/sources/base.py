@@ -8,6 +8,7 @@ and a command the source lacks is refused with the description's reason.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -77,6 +78,12 @@ class SourceDescription:
         """A knob's short label ("seqs"): from this source's knobs, else the scheduler knobs' table."""
         knob = self.knobs.get(name) or SCHEDULER_KNOBS.get(name)
         return knob.label if knob is not None else name
+
+
+def disconnected(url: str, last_error: str | None, retry_at: float | None) -> str:
+    """The status line of a network source that has lost its server (and when it tries again)."""
+    wait = "" if retry_at is None else f"; retrying in {max(0.0, retry_at - time.monotonic()):.1f} s"
+    return f"disconnected from {url}: {last_error or 'connecting'}{wait}"
 
 
 class Source:

@@ -22,7 +22,7 @@ from batchtop.telemetry.events import EnginePaused, EngineResumed, EventsDropped
 from batchtop.telemetry.protocol.knob import SCHEDULER_KNOBS, Knob
 from batchtop.telemetry.recorder import decode_event
 
-from .base import Poll, Source, SourceDescription
+from .base import Poll, Source, SourceDescription, disconnected
 
 
 class RemoteSource(Source):
@@ -97,10 +97,7 @@ class RemoteSource(Source):
     def status(self) -> str:
         if self.connected:
             return f"{'paused' if self._paused else 'live'} · {self.url}"
-        wait = ""
-        if self.retry_at is not None:
-            wait = f"; retrying in {max(0.0, self.retry_at - time.monotonic()):.1f} s"
-        return f"disconnected from {self.url}: {self.last_error or 'connecting'}{wait}"
+        return disconnected(self.url, self.last_error, self.retry_at)
 
     # -- the stream thread -------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import httpx
 from batchtop.telemetry.exposition import Scrape, ScrapedEngine, detect_flavour, parse_exposition
 from batchtop.telemetry.intervals import Interval, derive
 
-from .base import Source, SourceDescription
+from .base import Source, SourceDescription, disconnected
 
 MAX_INTERVALS = 3600                 # per engine: an hour at the default period
 SCHEDULER_HINT = ("start vLLM with --scheduler-cls batchtop.engine.vllm.scheduler.BatchtopScheduler and "
@@ -190,10 +190,7 @@ class MetricsSource(Source):
     def status(self) -> str:
         if self.connected:
             return f"live · {self.flavour} /metrics every {self.period_s:g} s · {self.url}"
-        wait = ""
-        if self.retry_at is not None:
-            wait = f"; retrying in {max(0.0, self.retry_at - time.monotonic()):.1f} s"
-        return f"disconnected from {self.url}: {self.last_error or 'connecting'}{wait}"
+        return disconnected(self.url, self.last_error, self.retry_at)
 
     def describe(self) -> SourceDescription:
         return self.DESCRIPTION
