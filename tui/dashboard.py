@@ -26,7 +26,7 @@ from .keys import EVENT_ACTIONS, KEYS, SCRAPE_ACTIONS, action_ability, refusals
 from .model import DashboardModel
 from .plots import PLOT_WINDOWS_S, PLOTS, PlotPanel
 from .scrape_panels import SCRAPE_VIEWS, MetricsPlot, ScrapedEngines, compose_scrape_panels
-from .screens import ConfirmScreen, HelpScreen, PromptScreen
+from .screens import ConfirmScreen, HelpScreen, PromptScreen, knob_assignment
 from .sources import LoadingSource, Source, SourceDescription
 from .tables import COLUMNS, EventLogView, RequestTable
 from .widgets import HeaderBar, KvPanel, SlotGrid, TimelineView
@@ -371,17 +371,16 @@ class DashboardScreen(Screen):
         """Ask the source to change a knob; the refusal (a message) or None. Shown either way. A knob is
         named in full or by its label ("seqs"); only the source's own knobs are offered. Over a source
         whose commands wait on the network, None means sent: its answer is shown when it comes."""
-        offered = self.description.knobs
-        name = next((k.name for k in offered.values() if k.label == name), name)
-        if name not in offered:
+        knob = self.description.knob(name)
+        if knob is None:
             error = self.description.why(f"knob:{name}")
         else:
             answers: list[str | None] = []
 
             def answered(error: str | None) -> None:
                 answers.append(error)
-                self._knob_answered(offered[name], value, error)
-            self.command(lambda: self.source.set_knob(name, value), answered)
+                self._knob_answered(knob, value, error)
+            self.command(lambda: self.source.set_knob(knob.name, value), answered)
             return answers[0] if answers else None
         self.say(f"refused: {error}", error=True)
         return error
@@ -401,11 +400,11 @@ class DashboardScreen(Screen):
         def done(value: str | None) -> None:
             if not value:
                 return
-            name, _, raw = value.replace("=", " ").partition(" ")
-            if not raw.strip():
-                self.say(f"type name=value, e.g. max_num_seqs=32 (got {value!r})", error=True)
+            assignment = knob_assignment(value, "max_num_seqs=32")
+            if isinstance(assignment, str):
+                self.say(assignment, error=True)
                 return
-            self.set_knob(name.strip(), raw.strip())
+            self.set_knob(*assignment)
         offered = self.description.knobs
         names = ", ".join(offered)
         labels = " ".join(k.label for k in offered.values())

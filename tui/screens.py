@@ -9,6 +9,14 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
 
+def knob_assignment(text: str, example: str) -> tuple[str, str] | str:
+    """`name=value` (or `name value`) typed at a knob prompt: (name, value), else the line saying how."""
+    name, _, raw = text.replace("=", " ").partition(" ")
+    if not raw.strip():
+        return f"type name=value, e.g. {example} (got {text!r})"
+    return name.strip(), raw.strip()
+
+
 class HelpScreen(ModalScreen[None]):
     """The dashboard's keys that its source serves (from its BINDINGS, so it cannot go stale), then one
     line per thing the source cannot do, with why."""

@@ -19,7 +19,7 @@ from textual.widgets import Footer, Static
 
 from batchtop.telemetry.fleet_log import FleetRecorder
 
-from ..screens import ConfirmScreen, HelpScreen, PromptScreen
+from ..screens import ConfirmScreen, HelpScreen, PromptScreen, knob_assignment
 from .member import Member
 from .pace import find_pacer
 from .rows import FleetRow
@@ -211,16 +211,16 @@ class FleetScreen(Screen):
         def done(value: str | None) -> None:
             if not value:
                 return
-            name, _, raw = value.replace("=", " ").partition(" ")
-            if not raw.strip():
-                self.say(f"type name=value, e.g. max_num_seqs=8 (got {value!r})", error=True)
+            assignment = knob_assignment(value, "max_num_seqs=8")
+            if isinstance(assignment, str):
+                self.say(assignment, error=True)
                 return
             if to_all:
-                self._knob_to_all(name.strip(), raw.strip())
+                self._knob_to_all(*assignment)
             else:
                 member = self._selected_member()
                 if member is not None:
-                    self.set_knob([member], name.strip(), raw.strip())
+                    self.set_knob([member], *assignment)
         self.app.push_screen(PromptScreen(f"knob=value for {target} (max_num_seqs, max_num_batched_tokens, "
                                           "long_prefill_token_threshold, ...)", placeholder="max_num_seqs=8"),
                              done)
@@ -306,15 +306,9 @@ class FleetScreen(Screen):
         self.stop_recording()
 
 
-def _offered(member: Member) -> dict:
-    source = member.source
-    return dict(source.describe().knobs) if source is not None else {}
-
-
 def _knob(member: Member, name: str):
     """The member's knob called `name` (or labelled so: "seqs"), None when it has none."""
-    offered = _offered(member)
-    return offered.get(name) or next((k for k in offered.values() if k.label == name), None)
+    return member.source.describe().knob(name) if member.source is not None else None
 
 
 def _engine_header(member: Member) -> dict:

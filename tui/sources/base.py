@@ -74,6 +74,10 @@ class SourceDescription:
         """(what, why) for each ability the source lacks, in ABILITIES order: the help's last lines."""
         return [(what, self.why(ability)) for ability, what in ABILITIES.items() if not self.can_do(ability)]
 
+    def knob(self, name: str) -> Knob | None:
+        """The offered knob named `name` or labelled so ("seqs"); None when there is none."""
+        return self.knobs.get(name) or next((k for k in self.knobs.values() if k.label == name), None)
+
     def label(self, name: str) -> str:
         """A knob's short label ("seqs"): from this source's knobs, else the scheduler knobs' table."""
         knob = self.knobs.get(name) or SCHEDULER_KNOBS.get(name)
