@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from batchtop.engine.model import runner as runner_module
-from batchtop.engine.model.forward import FusedCpuOps, TransformersOps
+from batchtop.engine.model.forward import FlatForward, FusedCpuOps, TransformersOps
 from batchtop.engine.model.loading import load_model
 from batchtop.engine.model.runner import Runner
 from batchtop.kernels import attention_torch, cpu
@@ -98,9 +98,13 @@ def test_fused_ops_with_torch_products_match_transformers(tiny, monkeypatch):
     assert runner.flat_forward.lm_head.weight.shape == tiny.lm_head.weight.shape
 
 
-def test_packed_products_are_chosen_by_the_cpu():
-    flags = cpu.cpu_features().split()
-    assert cpu.products_pay() == (cpu.available() and "avx512f" in flags)
+def test_the_forward_packs_its_weights_only_where_the_cpu_has_avx512(tiny):
+    """AVX2 alone: torch's matmul beat the packed products from 1 row to 256 (docs/kernels.md)."""
+    pays = cpu.available() and "avx512f" in cpu.cpu_features().split()
+    assert cpu.products_pay() == pays
+    flat = FlatForward(tiny)
+    assert all((linear.packed is not None) == pays for layer in flat.layers for linear in layer.linears)
+    assert (flat.lm_head.packed is not None) == pays
 
 
 def test_forward_on_transformers_modules_matches_transformers(tiny, monkeypatch):
