@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from tui_helpers import screen_text
+from tui_helpers import footer_drawn, screen_text
 
 from batchtop.telemetry.protocol.knob import SCHEDULER_KNOBS, describe_knobs
 from batchtop.tui.app import BatchtopApp
@@ -61,7 +61,7 @@ def footer(app) -> str:
 async def test_footer_and_help_list_what_the_source_can_do(kind):
     app = BatchtopApp(FeedSource(knobs={"max_num_seqs": 8}, description=DESCRIPTIONS[kind]()), tick_s=None)
     async with app.run_test(size=(160, 64)) as pilot:      # tall enough for the whole help
-        await pilot.pause()
+        await footer_drawn(pilot, app)
         shown, hidden = FOOTERS[kind]
         line = footer(app)
         assert all(key in line for key in shown) and not any(key in line for key in hidden), line

@@ -5,7 +5,7 @@ Regenerate after an intended change: BATCHTOP_UPDATE_SNAPSHOTS=1 .venv/bin/pytho
 from __future__ import annotations
 
 import pytest
-from tui_helpers import FIXTURE_LOG, assert_snapshot, screen_text
+from tui_helpers import FIXTURE_LOG, assert_snapshot, footer_drawn, screen_text
 
 from batchtop.tui.app import BatchtopApp
 from batchtop.tui.sources import ReplaySource
@@ -19,6 +19,7 @@ async def dashboard_at(pilot, app, step: int) -> None:
     app.source.seek(step)
     app.tick()
     await pilot.pause()
+    await footer_drawn(pilot, app)
 
 
 def make_app() -> BatchtopApp:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +21,17 @@ def screen_text(app) -> str:
                       color_system="truecolor", legacy_windows=False, safe_box=False)
     console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
     return "\n".join(line.rstrip() for line in console.export_text(styles=False).splitlines())
+
+
+async def footer_drawn(pilot, app, timeout_s: float = 5.0) -> None:
+    """Wait until the screen's footer has its keys: Textual fills it after a refresh, so one pause may not."""
+    from textual.widgets import Footer
+    deadline = time.monotonic() + timeout_s
+    while not app.screen.query_one(Footer).children:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the footer had no keys after {timeout_s} s")
+        await pilot.pause(0.01)
+    await pilot.pause()
 
 
 def assert_snapshot(name: str, text: str) -> None:
