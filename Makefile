@@ -34,9 +34,13 @@ $(VLLM_STAMPS): %/.setup-done: pyproject.toml Makefile $(VLLM_SETUP)
 run: setup
 	$(VENV)/bin/batchtop
 
+# Two pytest-xdist workers, one per core of the machines this runs on; tests/conftest.py says which tests
+# share a worker (a costly fixture, fixed ports) and orders the work longest first.
+TEST_WORKERS ?= 2
+
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --no-loadscope-reorder
 
 # Long reliability runs (docs/reliability.md); `make test` runs bounded versions of each.
 soak: setup

@@ -121,14 +121,14 @@ def load_from_args(args):
 
 
 def cmd_record(args) -> int:
+    if args.duration is None and not args.trace:
+        raise ValueError("give --duration, or a --trace to serve to the end")
+    load = load_from_args(args)              # a bad trace is named before torch and the model load
     from batchtop.engine.core.engine import Engine
     from batchtop.engine.core.loop import EngineLoop
     from batchtop.engine.whatif.recording import engine_header
     from batchtop.telemetry.bus import EventBus
     from batchtop.telemetry.recorder import Recorder
-    if args.duration is None and not args.trace:
-        raise ValueError("give --duration, or a --trace to serve to the end")
-    load = load_from_args(args)
     bus = EventBus()
     engine = Engine(engine_config(args), sink=bus)
     setup = engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len)

@@ -1,5 +1,6 @@
 """Suite-wide set-up that must happen before anything imports triton (and a scratch folder for crash logs),
-and the one stock vLLM that the /metrics tests and the vLLM tests share.
+the one stock vLLM that the /metrics tests and the vLLM tests share, and how the tests split between
+pytest-xdist's workers (`make test` runs two).
 
 triton reads TRITON_INTERPRET when it is first imported (its own standard library is jitted
 then), and transformers or torch may import it long before tests/kernels runs. With the flag
@@ -17,6 +18,48 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")      # a GPU run sets 0 to run them compiled
 # Crash logs of the flight recorder (telemetry/flight.py) go to a scratch folder, not the user's cache.
 os.environ.setdefault("BATCHTOP_FLIGHT_DIR", tempfile.mkdtemp(prefix="batchtop-flight-"))
+# Two workers on two cores: torch's threads would fight over them (OpenMP spins), so each worker keeps one.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# How the tests split between pytest-xdist's workers: a test file is one unit of work, so its module
+# fixtures are built once; the files that share a costly session fixture are one unit too, so it starts
+# once (the vLLM servers also listen on fixed ports). The units go out longest first: the vLLM servers'
+# files (~10 minutes of one worker), then the harness runs, then the rest in collection order.
+UNITS = {
+    "vllm": ("tests/metrics/test_stock_vllm.py", "tests/vllm/test_vllm_fleet.py",
+             "tests/vllm/test_vllm_knobs_live.py", "tests/vllm/test_vllm_prefix_cache.py",
+             "tests/vllm/test_vllm_scheduler.py"),
+    "vllm-harness": ("tests/vllm/test_vllm_harness.py",),
+}
+UNIT_OF_FILE = {path: unit for unit, paths in UNITS.items() for path in paths}
+UNIT_OF_FIXTURE = {"vllm_server": "vllm", "stock_vllm": "vllm", "harness_results": "vllm-harness"}
+
+
+def worker_unit(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return UNIT_OF_FILE.get(path, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_unit(nodeid)
+    return ByUnit(config, log)
+
+
+def pytest_collection_modifyitems(items):
+    """The units longest first; a test that uses a unit's fixture from a file outside it is refused."""
+    for item in items:
+        for name, unit in UNIT_OF_FIXTURE.items():
+            if name in item.fixturenames and worker_unit(item.nodeid) != unit:
+                raise pytest.UsageError(f"{item.nodeid} uses the fixture {name}: list its file in "
+                                        f"UNITS[{unit!r}] of tests/conftest.py (or move the test)")
+    rank = {unit: i for i, unit in enumerate(UNITS)}
+    items.sort(key=lambda item: rank.get(worker_unit(item.nodeid), len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -97,6 +97,7 @@ def run_cases(url: str, api_key: str | None, model: str, max_model_len: int, max
         ]
         if api_key:
             cases.append(_keys(url, api_key))
+        cases.append(_origins_and_hosts(url, headers, model))
         still = Case("still serving afterwards")
         still.expect(client.post("/v1/completions",
                                  json={"model": model, "prompt": [1, 2], "max_tokens": 3}), 200)
@@ -267,6 +268,36 @@ def _keys(url, api_key) -> Case:
         knobs = case.expect(client.get("/v1/knobs", headers={"Authorization": f"Bearer {api_key}"}), 200)
         if _json(knobs).get("paused") or _json(knobs).get("knobs", {}).get("max_num_seqs") == 1:
             case.problems.append("a refused control request changed the engine")
+    return case
+
+
+def _origins_and_hosts(url, headers, model) -> Case:
+    """What a web page in the operator's browser can send: a foreign Origin on every control route and
+    on the reads it must not see (403); a DNS-rebinding page's own name as Host (421, every route). The
+    server's own origin and IP-literal hosts pass; nothing refused changes the engine."""
+    case = Case("browser origins and rebinding Host names")
+    own = urlsplit(url).netloc
+    control = [("POST", "/v1/knobs", {"name": "max_num_seqs", "value": 1}), ("POST", "/v1/pause", None),
+               ("POST", "/v1/resume", None), ("POST", "/v1/step", None),
+               ("POST", "/v1/requests/cmpl-0/abort", None), ("GET", "/v1/knobs", None),
+               ("GET", "/v1/events", None)]
+    completion = ("POST", "/v1/completions", {"model": model, "prompt": [1, 2], "max_tokens": 2})
+    foreign = ["http://evil.example", "https://localhost.evil.example", "null", f"http://{own}.evil.example"]
+    rebinding = ["evil.example", f"evil.example:{urlsplit(url).port}", "localhost.evil.example",
+                 "127.0.0.1.nip.io"]
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+        for origin in foreign:
+            for method, path, body in control + [completion]:
+                case.expect(client.request(method, path, json=body, headers={"Origin": origin}), 403)
+        for host in rebinding:
+            for method, path, body in control + [completion, ("GET", "/health", None)]:
+                case.expect(client.request(method, path, json=body, headers={"Host": host}), 421)
+        method, path, body = completion
+        case.expect(client.request(method, path, json=body, headers={"Origin": f"http://{own}"}), 200)
+        case.expect(client.get("/v1/knobs", headers={"Host": own}), 200)
+        state = _json(case.expect(client.get("/v1/knobs"), 200))
+        if state.get("paused") or state.get("knobs", {}).get("max_num_seqs") == 1:
+            case.problems.append("a refused request from a web page changed the engine")
     return case
 
 

@@ -14,12 +14,14 @@ def test_abuse_cases_get_4xx_never_5xx(keyed):
                        server.max_body_bytes, flood=FLOOD)
     print(report.text())
     assert report.problems == [] and report.num_5xx == 0
-    assert len(report.cases) == 9 and report.num_requests > FLOOD + 100
+    assert len(report.cases) == 10 and report.num_requests > FLOOD + 100
     by_name = {case.name: case for case in report.cases}
     # past --max-waiting (1024 by default) the flood is refused with 429 + Retry-After, never lost
     flood = by_name[f"{FLOOD} tiny requests at once"].statuses
     assert set(flood) <= {200, 429} and flood[200] + flood[429] == FLOOD and flood[200] >= 1024
     assert by_name["bodies at and over the size limit (413)"].statuses[413] == 4
+    pages = by_name["browser origins and rebinding Host names"].statuses
+    assert pages == {403: 4 * 8, 421: 4 * 9, 200: 3}, pages
     wait_idle(server)
     assert not server.engine.requests and not server.router._pending
 

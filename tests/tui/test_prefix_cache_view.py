@@ -4,7 +4,7 @@ hit-rate lines, over a run of the shared-system-prompt and eviction scenarios.""
 from __future__ import annotations
 
 import pytest
-from tui_helpers import screen_text
+from tui_helpers import screen_text, screen_when
 
 from batchtop.engine.model.loading import load_model
 from batchtop.engine.workload.scenarios import SCENARIOS, run_scenario
@@ -61,7 +61,7 @@ async def test_the_screen_shows_the_cached_column_the_cache_section_and_hit_rate
         app.tick()
         app.dashboard.refresh_views()
         await pilot.pause()
-        screen = screen_text(app)
+        screen = await screen_when(pilot, app, lambda text: "prefix cache" in text and "KV pool" in text)
         assert "cached" in screen and "prefix cache" in screen and "cached" in screen.split("KV pool", 1)[1]
         last = app.model.history[-1]
         admitted = [e for e in events if isinstance(e, ev.RequestAdmitted) and e.t > last.t - HIT_WINDOW_S]

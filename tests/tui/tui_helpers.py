@@ -34,6 +34,18 @@ async def footer_drawn(pilot, app, timeout_s: float = 5.0) -> None:
     await pilot.pause()
 
 
+async def screen_when(pilot, app, shown, timeout_s: float = 5.0) -> str:
+    """The screen's text once `shown(text)` holds, or as it is after `timeout_s`: a resize redraws a
+    panel only after the next refresh, which a loaded machine may not reach within one pause."""
+    deadline = time.monotonic() + timeout_s
+    text = screen_text(app)
+    while not shown(text) and time.monotonic() < deadline:
+        await pilot.pause(0.05)
+        app.screen.refresh_views()
+        text = screen_text(app)
+    return text
+
+
 def assert_snapshot(name: str, text: str) -> None:
     """Compare with tests/tui/snapshots/NAME.txt; BATCHTOP_UPDATE_SNAPSHOTS=1 rewrites it."""
     path = SNAPSHOTS / f"{name}.txt"

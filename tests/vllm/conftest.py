@@ -57,14 +57,27 @@ def vllm_server(tmp_path_factory):
         assert not server.group_alive(), "a vLLM process outlived its test session"
 
 
+@pytest.fixture(scope="session")
+def harness_results() -> dict:
+    """{vLLM environment: harness_check.py's results}, each filled on its first use: pytest sets a
+    parametrized session fixture up again whenever the order of the tests switches its parameter."""
+    return {}
+
+
 @pytest.fixture(scope="session", params=sorted(VLLM_ENVS))
-def checked(request):
+def checked(request, harness_results):
     """(vLLM version, harness_check.py's scenarios' results) in one vLLM environment: one run (one vLLM
-    import) for test_vllm_harness.py and test_vllm_prefix_cache.py."""
+    import) for test_vllm_harness.py."""
     env = request.param
     reason = env_skip_reason(env)
     if reason:
         pytest.skip(f"no vLLM {VLLM_ENVS[env]} here: {reason}")
+    if env not in harness_results:
+        harness_results[env] = run_harness_check(env)
+    return harness_results[env]
+
+
+def run_harness_check(env: str) -> dict:
     done = subprocess.run(
         [str(env_python(env)), str(Path(__file__).parent / "harness_check.py")],
         capture_output=True,

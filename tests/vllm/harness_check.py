@@ -502,7 +502,7 @@ def module_scenario() -> dict:
 
 
 def prefix_cache_scenario() -> dict:
-    """prefix_cache_check.py's loads (test_vllm_prefix_cache.py reads them)."""
+    """prefix_cache_check.py's loads (test_vllm_harness.py reads them)."""
     from prefix_cache_check import run_all
 
     return {"runs": run_all(), "counts": {}, "failures": []}

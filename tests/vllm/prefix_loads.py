@@ -22,6 +22,9 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 30_000) for _ in range(n)]
 
 
+LOADS = ("shared", "below_block", "eviction")
+
+
 def loads(block_size: int, seed: int) -> dict[str, list[list[int]]]:
     """{load name: its prompts in order}; prompts of one seed never share a first block across loads."""
     rng = random.Random(seed)

@@ -1,7 +1,8 @@
 """batchtop's class inside vLLM's real scheduler on a virtual clock, on every vLLM version it supports
 (0.32's CPU build in .venv-vllm, 0.33 in .venv-vllm033), each in its own interpreter: no model,
 no server. harness_check.py runs the scenarios and checks every step against vLLM's own objects (the
-`checked` fixture of conftest.py: one run per environment, test_vllm_prefix_cache.py reads it too)."""
+`checked` fixture of conftest.py: one run per environment). The prefix-cache loads of prefix_loads.py
+are one of its scenarios; on the real server: test_vllm_prefix_cache.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefix_loads import LOADS, expected_reasons
 from vllm_helpers import VLLM_ENVS, env_python, env_skip_reason
 
 
@@ -98,3 +100,21 @@ def test_batchtop_vllm_check_runs_the_check_with_vllms_python():
     done = subprocess.run([str(batchtop), "vllm", "check", "--events-port", "70000"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "events port must be 1..65535" in done.stderr
+
+
+@pytest.mark.parametrize("load", LOADS)
+def test_under_the_harness_reasons_and_sums_are_vllms(checked, load):
+    """Synchronous and async scheduling: each admission's reason as expected, its cached tokens vLLM's
+    hits for it, the sums vLLM's hits and queries, the cached free blocks vLLM's after every step
+    (harness_check.py's `prefix_cache` scenario: the `checked` fixture of conftest.py)."""
+    for mode in (load, f"{load}_async"):
+        run = checked["prefix_cache"]["runs"][mode]
+        assert run["failure"] is None and run["vllm_preempted"] == 0
+        assert run["reasons"] == expected_reasons(load), mode
+        assert run["cached"] == run["vllm_hits"]
+        assert (run["sum_cached"], run["sum_known"]) == (run["vllm_hits_total"], run["vllm_queries_total"])
+        assert run["kv_blocks_cached"] == run["vllm_cached_free"], mode
+        if load == "shared":
+            assert run["sum_cached"] == 2 * 48
+        if load == "eviction":
+            assert run["evicted_blocks"] > 0

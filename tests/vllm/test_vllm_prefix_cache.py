@@ -1,42 +1,24 @@
 """vLLM's prefix cache through batchtop's class: at each admission the cached tokens and the reason for
 the rest, the blocks vLLM evicted, the pool split; checked against vLLM's own numbers. The three loads
-of prefix_loads.py (a shared prefix, a prefix just below one block, more prefixes than the pool holds):
-under the harness on every vLLM version here (its scheduler, no model), and on the real vLLM 0.32
-server of the session (conftest.py: a pool of 5 usable blocks of 128 tokens) with vLLM's
-`usage.prompt_tokens_details.cached_tokens` and its `vllm:prefix_cache_*` counters."""
+of prefix_loads.py (a shared prefix, a prefix just below one block, more prefixes than the pool holds)
+on the real vLLM 0.32 server of the session (conftest.py: a pool of 5 usable blocks of 128 tokens) with vLLM's
+`usage.prompt_tokens_details.cached_tokens` and its `vllm:prefix_cache_*` counters. The same loads under
+the harness, on every vLLM version here: test_vllm_harness.py."""
 from __future__ import annotations
+
+import itertools
 
 import httpx
 import pytest
-from prefix_loads import expected_reasons, loads
+from prefix_loads import LOADS, expected_reasons, loads
 from test_vllm_scheduler import metric
 from vllm_helpers import EVENTS_API_KEY, PORT, EventFollower
 
 from batchtop.telemetry import events as ev
 
 SERVER_BLOCK_SIZE = 128            # vLLM's CPU build
-LOADS = ("shared", "below_block", "eviction")
+SEEDS = itertools.count(2)
 
-
-@pytest.mark.parametrize("load", LOADS)
-def test_under_the_harness_reasons_and_sums_are_vllms(checked, load):
-    """Synchronous and async scheduling: each admission's reason as expected, its cached tokens vLLM's
-    hits for it, the sums vLLM's hits and queries, the cached free blocks vLLM's after every step
-    (harness_check.py's `prefix_cache` scenario: the `checked` fixture of conftest.py)."""
-    for mode in (load, f"{load}_async"):
-        run = checked["prefix_cache"]["runs"][mode]
-        assert run["failure"] is None and run["vllm_preempted"] == 0
-        assert run["reasons"] == expected_reasons(load), mode
-        assert run["cached"] == run["vllm_hits"]
-        assert (run["sum_cached"], run["sum_known"]) == (run["vllm_hits_total"], run["vllm_queries_total"])
-        assert run["kv_blocks_cached"] == run["vllm_cached_free"], mode
-        if load == "shared":
-            assert run["sum_cached"] == 2 * 48
-        if load == "eviction":
-            assert run["evicted_blocks"] > 0
-
-
-# -- the real vLLM 0.32 server -----------------------------------------------------------------------
 
 
 def prefix_metrics() -> tuple[float, float]:
@@ -53,11 +35,13 @@ def complete(prompt: list[int]) -> dict:
 
 @pytest.fixture(scope="module")
 def server_runs(vllm_server):
-    """Each load, one request at a time: (responses, admissions, hits delta, queries delta, evictions)."""
+    """Each load, one request at a time: (responses, admissions, hits delta, queries delta, evictions).
+    The server lives for the whole session: a second set-up of this fixture sends prompts of a new seed,
+    which it has never cached."""
     follower = EventFollower(vllm_server[1], api_key=EVENTS_API_KEY)
     try:
         runs = {}
-        for name, prompts in loads(SERVER_BLOCK_SIZE, seed=2).items():
+        for name, prompts in loads(SERVER_BLOCK_SIZE, seed=next(SEEDS)).items():
             hits, queries = prefix_metrics()
             responses = [complete(p) for p in prompts]
             ids = [r["id"] for r in responses]
