@@ -43,15 +43,15 @@ class Knob:
         if self.choices:
             return f"one of {', '.join(self.choices)}"
         high = self.upper(capacity)
-        high_text = "batch_capacity" if high is None else _number(high)
-        return f"{'an integer' if self.type is int else 'a number'} in [{_number(self.low)}, {high_text}]"
+        high_text = "batch_capacity" if high is None else number_text(high)
+        return f"{'an integer' if self.type is int else 'a number'} in [{number_text(self.low)}, {high_text}]"
 
     def check(self, value, capacity: int | None = None):
         """`value` when allowed as it is; ValueError naming the allowed values otherwise."""
         if not self._allows(value, capacity):
             high = self.upper(capacity)
             above = self.high_note and isinstance(value, (int, float)) and high is not None and value > high
-            note = f"; {_number(high)} {self.high_note}" if above else ""
+            note = f"; {number_text(high)} {self.high_note}" if above else ""
             raise ValueError(f"{self.name} must be {self.describe(capacity)}, got {value!r}{note}")
         return value
 
@@ -83,7 +83,8 @@ class Knob:
         return math.isfinite(value) and self.low <= value and (high is None or value <= high)
 
 
-def _number(x: float) -> str:
+def number_text(x: float) -> str:
+    """A limit as people write it: 8, not 8.0."""
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
