@@ -91,10 +91,10 @@ def spread(values: list[float]) -> float:
 
 def compare(values: list[float], baseline: list[float]) -> tuple[float, float, bool]:
     """The change of the mean of `values` against `baseline`'s, the larger spread of the two, and
-    whether the change exceeds that spread."""
+    whether the change exceeds that spread (never with one round each: no spread is measured)."""
     change = statistics.fmean(values) / statistics.fmean(baseline) - 1
     noise = max(spread(values), spread(baseline))
-    return change, noise, abs(change) > noise
+    return change, noise, abs(change) > noise and min(len(values), len(baseline)) > 1
 
 
 def serve_traces(args):
@@ -149,10 +149,11 @@ def serve_section(args, runs, vllm_version: str) -> list[str]:
         for key, label in (("ttft_p50", "TTFT p50"), ("out_tok_s", "output tok/s")):
             change, noise, resolved = compare([f[key] for f in ours], [f[key] for f in theirs])
             better = (change < 0) == (key == "ttft_p50")
-            verdict = (f"**batchtop {'better' if better else 'worse'}**" if resolved
-                       else "within it, no verdict")
-            verdicts.append(f"{label} {change * 100:+.0f}% of vLLM's (rounds spread by up to "
-                            f"{noise * 100:.0f}%: {verdict})")
+            word = "better" if better else "worse"
+            verdict = f"**batchtop {word}**" if resolved else "within it, no verdict"
+            verdicts.append(f"{label} {change * 100:+.0f}% of vLLM's " + (
+                f"(rounds spread by up to {noise * 100:.0f}%: {verdict})" if args.rounds > 1
+                else "(one round: no spread measured, no verdict)"))
         lines.append(f"{trace.capitalize()} trace, batchtop serve: {'; '.join(verdicts)}.")
     return lines
 
@@ -164,7 +165,8 @@ def section(args, runs, serve_runs=None, vllm_version: str = "?") -> str:
     kernels = "off (BATCHTOP_CPU_KERNEL=0)" if os.environ.get("BATCHTOP_CPU_KERNEL") == "0" else "on"
     lines = [SECTION, "",
              f"Measured {time.strftime('%Y-%m-%d')} at commit {commit()} on {cpu_name()} with "
-             f"`python -m batchtop.engine.bench.prefix_cache --rounds {args.rounds}`: the embedded engine "
+             f"`{' '.join(['python -m batchtop.engine.bench.prefix_cache', *args.argv])}`: "
+             "the embedded engine "
              f"({args.model}, C++ CPU kernels {kernels}, "
              f"float32, max_num_seqs {args.max_num_seqs}, block size 16, its defaults otherwise); "
              f"{args.num_prompts} requests sent at once, prompts of a {args.prefix_len}-token prefix and "
@@ -191,7 +193,8 @@ def section(args, runs, serve_runs=None, vllm_version: str = "?") -> str:
     tput_off = [f["out_tok_s"] for f in runs[("no prefix", False)]]
     change, noise, resolved = compare(tput_on, tput_off)
     verdict = ("larger than the spread" if resolved
-               else "within the spread: no throughput lost that this run resolves")
+               else "within the spread: no throughput lost that this run resolves" if args.rounds > 1
+               else "not resolved: one round measures no spread")
     lines.append(f"No-prefix trace: output tok/s with caching on {change * 100:+.1f}% of off; the rounds of "
                  f"one setting spread by up to {noise * 100:.0f}% of their mean, so the difference is "
                  f"{verdict}.")
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                              "machine)")
     parser.add_argument("--no-write", action="store_true", help="print the section, leave docs as they are")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.rounds < 1 or args.num_prompts < 1 or args.prefix_len < 1 or args.suffix_len < 1:
         print("prefix_cache: rounds, prompts and lengths must be >= 1", file=sys.stderr)
         return 2

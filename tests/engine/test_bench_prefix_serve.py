@@ -46,7 +46,8 @@ def test_prefill_and_hits_from_batchtop_events_count_first_admissions_only():
 def args(**kw):
     return Namespace(**{"rounds": 2, "model": "smollm2", "max_num_seqs": 32, "num_prompts": 8,
                         "prefix_len": 500, "suffix_len": 48, "output_len": 32, "eager": True,
-                        "vllm_omp_threads": 1, **kw})
+                        "vllm_omp_threads": 1,
+                        "argv": ["--vllm"], **kw})
 
 
 def engine_run(ttft, tput):
@@ -79,6 +80,18 @@ def test_the_section_keeps_the_on_off_verdicts_and_gives_a_serving_verdict_only_
     assert "TTFT p50 -50% of vLLM's" in shared and "**batchtop better**" in shared
     assert "output tok/s -8% of vLLM's (rounds spread by up to 18%: within it, no verdict)" in shared
     assert pc.section(args(), runs).count("batchtop serve") == 0
+    assert "`python -m batchtop.engine.bench.prefix_cache --vllm`" in text
+
+
+def test_one_round_gives_no_verdict_on_a_difference():
+    runs = {(trace, on): [engine_run(100 if on and trace == "shared" else 300, 40 if on else 50)]
+            for trace in ("shared", "no prefix") for on in (True, False)}
+    serve = {(trace, name): [serve_run(100 if name == "vLLM" else 300, 40)]
+             for trace in ("shared", "no prefix") for name in ("batchtop serve", "vLLM")}
+    text = pc.section(args(rounds=1), runs, serve, "0.32.0")
+    assert "not resolved: one round measures no spread" in text
+    assert "(one round: no spread measured, no verdict)" in text
+    assert "**batchtop better" not in text and "**batchtop worse" not in text
 
 
 def test_without_a_vllm_environment_the_leg_is_skipped_with_a_line(monkeypatch, capsys):
