@@ -18,52 +18,20 @@ from __future__ import annotations
 import re
 import signal
 import sys
-import threading
-import time
 
 import httpx
-from httpx_sse import connect_sse
 
 from batchtop.engine.bench import serving as bs
 from batchtop.engine.model.loading import smollm2_folder
 from batchtop.engine.vllm.launch import LaunchedServer, VllmOptions, launch_vllm
 from batchtop.telemetry import events as ev
-from batchtop.telemetry.recorder import decode_event
 
+from .vllm_scheduler import EventFollower
 from .vllm_serve import _signal_group, only_running
 
 BATCHTOP_PORT, VLLM_PORT = 8240, 8241
 SERVERS = ("batchtop serve", "vLLM")
 PREFIX_METRICS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
-
-
-class EventFollower:
-    """batchtop serve's event stream read on a thread; every decoded event kept in `events`."""
-
-    def __init__(self, url: str):
-        self.events: list = []
-        threading.Thread(target=self._follow, args=(url,), daemon=True).start()
-
-    def _follow(self, url: str) -> None:
-        try:
-            with httpx.Client(base_url=url, timeout=None) as client, \
-                    connect_sse(client, "GET", "/v1/events") as source:
-                for message in source.iter_sse():
-                    if message.event == "message" and message.data:
-                        self.events.append(decode_event(message.data))
-        except httpx.HTTPError:          # the server went away: the benchmark sees the missing events
-            pass
-
-    def settle(self, quiet_s: float = 0.5, timeout_s: float = 10.0) -> int:
-        """Wait until no event arrived for `quiet_s`; the number of events read so far."""
-        deadline = time.monotonic() + timeout_s
-        count = len(self.events)
-        while time.monotonic() < deadline:
-            time.sleep(quiet_s)
-            if len(self.events) == count:
-                break
-            count = len(self.events)
-        return count
 
 
 def prefix_counters(metrics_text: str) -> tuple[float, float]:
@@ -134,7 +102,7 @@ def run(args, make_traces) -> dict[tuple[str, str], list[dict]]:
     try:
         for server in servers.values():
             server.wait_healthy(900)
-        follower = EventFollower(servers[SERVERS[0]].url)
+        follower = EventFollower(servers[SERVERS[0]].url, keep=True)
         for round_no in range(args.rounds + 1):
             traces = make_traces(1000 + round_no)
             order = SERVERS if round_no % 2 else SERVERS[::-1]
