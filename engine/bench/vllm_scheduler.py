@@ -85,18 +85,32 @@ class EventFollower:
         threading.Thread(target=self._follow, args=(url,), daemon=True).start()
 
     def _follow(self, url: str) -> None:
-        with httpx.Client(base_url=url, timeout=None) as client, \
-                connect_sse(client, "GET", "/v1/events") as source:
-            for message in source.iter_sse():
-                if message.event != "message":
-                    continue
-                if not message.data:
-                    self.num_empty += 1
-                    continue
-                event = decode_event(message.data)
-                self.num_events += 1
-                if self.keep:
-                    self.events.append(event)
+        try:
+            with httpx.Client(base_url=url, timeout=None) as client, \
+                    connect_sse(client, "GET", "/v1/events") as source:
+                for message in source.iter_sse():
+                    if message.event != "message":
+                        continue
+                    if not message.data:
+                        self.num_empty += 1
+                        continue
+                    event = decode_event(message.data)
+                    self.num_events += 1
+                    if self.keep:
+                        self.events.append(event)
+        except httpx.HTTPError:          # the server stopped: the stream ends with it
+            pass
+
+    def settle(self, quiet_s: float = 0.5, timeout_s: float = 10.0) -> int:
+        """Wait until no event arrived for `quiet_s` (at most `timeout_s`); the number of events read."""
+        deadline = time.monotonic() + timeout_s
+        count = self.num_events
+        while time.monotonic() < deadline:
+            time.sleep(quiet_s)
+            if self.num_events == count:
+                break
+            count = self.num_events
+        return count
 
 
 def render(args, samples: dict) -> str:
