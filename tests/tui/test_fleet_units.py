@@ -102,7 +102,7 @@ def test_fleet_recording_read_back_per_engine_replayed_and_exported(tmp_path, ca
     recorder.close()
     assert json.loads(path.read_text().splitlines()[1])["engine"] == "a"
     header, events = read_log(path, "b")
-    assert header["engine"] == "b" and header["url"] == "http://b:1" and "start_monotonic" not in header
+    assert header["engine_name"] == "b" and header["url"] == "http://b:1" and "start_monotonic" not in header
     assert [e.request_id for e in events] == ["y", "z"]
     _, engines = read_fleet_log(path)
     assert {name: [e.request_id for e in evs] for name, (_, evs) in engines.items()} == {

@@ -150,13 +150,11 @@ class Member:
 
     def _base_row(self, source, events) -> FleetRow:
         """Name, kind, mode, state and age; the numbers are filled by event_row / scraped_row."""
+        kind = self.kind()
         if self.flavour == "events":
-            kind = "batchtop-in-vLLM" if str(source.meta.get("device", "")).startswith("vllm") \
-                else "batchtop serve"
             connected = source.connected
             state = "paused" if connected and source.paused else "live" if connected else "down"
         else:
-            kind = KIND_NAMES.get(self.flavour, self.flavour or "?")
             connected = source.connected
             state = "live" if connected else "down" if source.last_error else "connecting"
         data_at = self._base.data_at
@@ -166,6 +164,13 @@ class Member:
         self._base = FleetRow(self.name, self.url, kind=kind, state=state, reason=reason or self.note,
                               data_at=data_at, rank=self.target.rank)
         return self._base
+
+    def kind(self) -> str:
+        """What answers at the URL, in words: batchtop serve, batchtop-in-vLLM, vLLM, SGLang."""
+        if self.flavour == "events" and self.source is not None:
+            inside = str(self.source.meta.get("device", "")).startswith("vllm")
+            return "batchtop-in-vLLM" if inside else "batchtop serve"
+        return KIND_NAMES.get(self.flavour, self.flavour or "?")
 
     def _publish_down(self, reason: str, retry_at: float | None) -> None:
         wait = f"; retrying in {max(0.0, retry_at - time.monotonic()):.1f} s" if retry_at else ""
