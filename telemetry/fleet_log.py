@@ -1,7 +1,8 @@
 """A fleet recording: the events of many engines in one JSON Lines log, each line named by its engine.
 
 The header is a log header (`make_header`) with `engines`: name -> that engine's own header fields
-(url, model, knobs, device, ..., `start_monotonic` on the engine's clock where known). Every event line
+(url, engine_kind, model, knobs, device, ..., `start_monotonic` on the engine's clock where known;
+never `kind`, which names the line). Every event line
 is the event's usual line with `"engine": NAME` first:
 
     {"kind": "Header", "schema_version": 4, "engines": {"rank 0": {"url": ..., "model": ...}, ...}, ...}

@@ -46,6 +46,7 @@ class Member:
         self._base = self.rows[0]
         self._kept: deque = deque(maxlen=MAX_KEPT_EVENTS)
         self._taps: list = []                          # callables(events) fed from the poll thread
+        self._tap_reset = False                        # a reset not yet told to the taps (no events came)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -110,6 +111,7 @@ class Member:
             self.model, self.stats = DashboardModel(knobs=dict(source.knobs)), StepStats()
             with self._lock:
                 self._kept.clear()
+            self._tap_reset = True                   # told to the taps with the next events
         if not self.model.knobs and source.knobs:
             self.model.knobs.update(source.knobs)
         events = poll.events
@@ -119,8 +121,9 @@ class Member:
             with self._lock:
                 self._kept.extend(events)
                 taps = list(self._taps)
+            reset, self._tap_reset = self._tap_reset, False
             for tap in taps:
-                tap(self, events, poll.reset)
+                tap(self, events, reset)
             self.steps = tuple(self.stats.steps)
         if not events and not poll.reset and time.monotonic() - self._row_at < ROW_EVERY_S:
             return

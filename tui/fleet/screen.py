@@ -67,6 +67,7 @@ class FleetScreen(Screen):
         self.pace = ""
         self.recorder: FleetRecorder | None = None
         self._recorded: list[Member] = []
+        self._recorded_as: dict[str, str] = {}       # member -> its name in the recording
 
     def compose(self) -> ComposeResult:
         yield Static(id="fleet-title")
@@ -285,6 +286,7 @@ class FleetScreen(Screen):
         except OSError as error:
             return f"cannot record to {path}: {error.strerror}"
         self._recorded = [m for m in self.members if m.name not in scraped]
+        self._recorded_as = {m.name: m.name for m in streaming}
         for member in self._recorded:
             member.tap(self._record)
         words = [f"recording {len(streaming)} engines to {path}"]
@@ -295,12 +297,21 @@ class FleetScreen(Screen):
         return words[0] + (f" ({'; '.join(words[1:])})" if words[1:] else "")
 
     def _record(self, member: Member, events, reset: bool) -> None:
+        """A member's events (its poll thread). One that starts streaming joins the recording; one whose
+        server restarted (`reset`) joins again as a run of its own, "NAME (restart N)"."""
         recorder = self.recorder
         if recorder is None:
             return
-        if member.name not in recorder.engines:
-            recorder.join(member.name, _engine_header(member))
-        recorder.write(member.name, events)
+        name = self._recorded_as.get(member.name)
+        if name is None or reset:
+            name = member.name
+            restarts = 0
+            while name in recorder.engines:
+                restarts += 1
+                name = f"{member.name} (restart {restarts})"
+            recorder.join(name, _engine_header(member))
+            self._recorded_as[member.name] = name
+        recorder.write(name, events)
 
     def stop_recording(self) -> str:
         recorder, self.recorder = self.recorder, None
@@ -324,10 +335,9 @@ def _knob(member: Member, name: str):
 def _engine_header(member: Member) -> dict:
     """What a log of this engine alone would say about it in its header."""
     source = member.source
-    row = member.rows[0]
-    return {"url": member.url, "kind": row.kind or member.kind(), "model": source.meta.get("model"),
+    return {"url": member.url, "engine_kind": member.kind(), "model": source.meta.get("model"),
             "knobs": dict(source.knobs), "start_monotonic": source.now(),
-            **{k: v for k, v in source.meta.items() if k != "model" and v is not None}}
+            **{k: v for k, v in source.meta.items() if k not in ("model", "kind") and v is not None}}
 
 
 class FleetApp(App):
