@@ -249,10 +249,22 @@ class LogReader:
         try:
             self.header = self._read_header()
             self._version = self.header["schema_version"]
+            self._add_joined(self.header)
             self.header = self._engine_header(self.header)
         except BaseException:
             self._file.close()
             raise
+
+    def _add_joined(self, header: dict) -> None:
+        """A fleet recording: the engines that joined after it started go into `engines` too."""
+        from .fleet_log import ENGINES_KEY, joined_engines
+        if not isinstance(header.get(ENGINES_KEY), dict):
+            return
+        start = self._file.tell()
+        joined = joined_engines(self._file)
+        self._file.seek(start)
+        for name, fields in joined.items():
+            header[ENGINES_KEY].setdefault(name, fields)
 
     def _engine_header(self, header: dict) -> dict:
         from .fleet_log import engine_header, engine_names
@@ -306,6 +318,8 @@ class LogReader:
                     self.event_engine = data.pop("engine", None)
                     if self.event_engine != self.engine and self.engine != ALL_ENGINES:
                         continue
+                    if data.get("kind") == HEADER_KIND:
+                        continue              # a late engine's header entry (in self.header already)
                 event = event_of(data, self._version)
             except (ValueError, TypeError) as exc:
                 if self._rest_is_empty():

@@ -25,6 +25,9 @@ def add_diff(sub) -> None:
     p = sub.add_parser("diff", help="two recordings of one trace aligned request by request")
     p.add_argument("a")
     p.add_argument("b")
+    p.add_argument("--engine", metavar="NAME", help="of fleet recordings: the engine compared in both")
+    p.add_argument("--engine-a", metavar="NAME", help="A's engine, where it differs from --engine")
+    p.add_argument("--engine-b", metavar="NAME", help="B's engine, where it differs from --engine")
     p.add_argument("--json", action="store_true", help="the summary and every request's deltas")
     p.add_argument("--top", type=int, default=5, help="requests listed among those that gained and lost most")
     p.set_defaults(func=cmd_diff)
@@ -70,13 +73,15 @@ def cmd_whatif(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from .diff import diff_files, format_diff
-    result, header_a, header_b = diff_files(args.a, args.b)
+    from .diff import diff_files, format_diff, run_name
+    engine_a, engine_b = args.engine_a or args.engine, args.engine_b or args.engine
+    result, header_a, header_b = diff_files(args.a, args.b, engine_a, engine_b)
     if args.json:
         print(json.dumps({"summary": result.summary(), "knob_changes": result.knob_changes,
                           "requests": [vars(d) for d in result.deltas]}, default=str))
     else:
-        print(format_diff(result, (header_a, header_b), (args.a, args.b), args.top))
+        print(format_diff(result, (header_a, header_b),
+                          (run_name(args.a, engine_a), run_name(args.b, engine_b)), args.top))
     return 0
 
 

@@ -151,9 +151,18 @@ def diff_events(events_a, events_b, name_a: str = "A", name_b: str = "B") -> Dif
     return Diff(matched_by, deltas, unfinished, first, changes)
 
 
-def diff_files(path_a: str, path_b: str) -> tuple[Diff, dict, dict]:
-    (header_a, events_a), (header_b, events_b) = read_log(path_a), read_log(path_b)
-    return diff_events(events_a, events_b, path_a, path_b), header_a, header_b
+def diff_files(path_a: str, path_b: str, engine_a: str | None = None,
+               engine_b: str | None = None) -> tuple[Diff, dict, dict]:
+    """Two logs (or one engine of each fleet recording) aligned; LogFormatError naming the engines when
+    a fleet recording is given without its engine."""
+    (header_a, events_a), (header_b, events_b) = read_log(path_a, engine_a), read_log(path_b, engine_b)
+    return diff_events(events_a, events_b, run_name(path_a, engine_a), run_name(path_b, engine_b)), \
+        header_a, header_b
+
+
+def run_name(path: str, engine: str | None) -> str:
+    """How a run is named in diff's messages: the path, and the engine of a fleet recording."""
+    return path if engine is None else f"{path} (engine {engine})"
 
 
 def format_diff(result: Diff, headers: tuple[dict, dict], names: tuple[str, str], top: int = 5) -> str:

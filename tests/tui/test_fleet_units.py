@@ -1,5 +1,6 @@
 """The fleet's parts without a server: which engines the command line names, the pace of
-data-parallel ranks, a fleet recording written, read back per engine, replayed and exported."""
+data-parallel ranks, a fleet recording written (engines joining late, restarted, scraped), read back per
+engine, replayed and exported."""
 from __future__ import annotations
 
 import json
@@ -102,7 +103,7 @@ def test_fleet_recording_read_back_per_engine_replayed_and_exported(tmp_path, ca
     recorder.close()
     assert json.loads(path.read_text().splitlines()[1])["engine"] == "a"
     header, events = read_log(path, "b")
-    assert header["engine"] == "b" and header["url"] == "http://b:1" and "start_monotonic" not in header
+    assert header["engine_name"] == "b" and header["url"] == "http://b:1" and "start_monotonic" not in header
     assert [e.request_id for e in events] == ["y", "z"]
     _, engines = read_fleet_log(path)
     assert {name: [e.request_id for e in evs] for name, (_, evs) in engines.items()} == {
@@ -130,3 +131,71 @@ def test_fleet_recording_read_back_per_engine_replayed_and_exported(tmp_path, ca
     assert "== engine a (http://a:1) ==" in summary and "== engine b (http://b:1) ==" in summary
     assert main(["export", str(path), "--engine", "b", "--format", "csv"]) == 0
     assert [line.split(",")[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["y", "z"]
+
+
+class _FakeStream:
+    """What a member reads from an event engine: the batches handed to `poll` in turn."""
+
+    def __init__(self, url):
+        self.knobs, self.meta = {"max_num_seqs": 4}, {"model": "tiny", "device": "cpu", "url": url}
+        self.connected, self.paused, self.last_error = True, False, None
+        self.polls: list = []
+
+    def poll(self):
+        from batchtop.tui.sources import Poll
+        return self.polls.pop(0) if self.polls else Poll([])
+
+    def now(self):
+        return 100.0
+
+    def status(self):
+        return "live"
+
+    def close(self):
+        pass
+
+
+def _member(name, flavour=None):
+    from batchtop.tui.fleet.member import Member
+    from batchtop.tui.fleet.targets import Target
+    member = Member(Target(name, f"http://{name}:1"))
+    if flavour is not None:
+        member.flavour, member.source = flavour, _FakeStream(member.url)
+    return member
+
+
+def _feed(member, request_ids, step=0, reset=False):
+    from batchtop.tui.sources import Poll
+    member.source.polls.append(Poll([_arrived(step + i, 100.0 + i, r) for i, r in enumerate(request_ids)],
+                                    reset))
+    member.poll()
+
+
+def test_the_fleet_recording_takes_engines_that_join_late_and_names_the_scraped(tmp_path):
+    from batchtop.tui.fleet.screen import FleetScreen
+    a, late, scraped = _member("a", "events"), _member("late"), _member("vllm", "vllm")
+    _feed(a, ["before"], reset=True)                        # drained before `r`: not recorded
+    screen = FleetScreen([a, late, scraped], tick_s=None)
+    path = tmp_path / "fleet.jsonl"
+    said = screen.start_recording(str(path))
+    assert said == (f"recording 1 engines to {path} (1 more from when they stream; "
+                    "1 without an event stream are not recorded)")
+    _feed(a, ["a1"], step=1)
+    late.flavour, late.source = "events", _FakeStream(late.url)       # up after `r`: joins now
+    _feed(late, ["l1", "l2"], reset=True)
+    _feed(a, [], reset=True)                                # a's server restarted: a new run of its own
+    _feed(a, ["a2"])
+    assert screen.stop_recording().startswith(f"recording saved to {path} (4 events")
+
+    header = json.loads(path.read_text().splitlines()[0])
+    assert list(header["engines"]) == ["a"] and header["waiting"] == {"late": "http://late:1"}
+    assert header["scraped"] == {"vllm": "http://vllm:1"}
+    _, engines = read_fleet_log(path)
+    assert {name: [e.request_id for e in evs] for name, (_, evs) in engines.items()} == {
+        "a": ["a1"], "late": ["l1", "l2"], "a (restart 1)": ["a2"]}
+    late_header, events = read_log(path, "late")
+    assert late_header["url"] == "http://late:1" and late_header["engine_kind"] == "batchtop serve"
+    assert late_header["engine_name"] == "late" and "waiting" not in late_header
+    assert [e.request_id for e in events] == ["l1", "l2"]
+    with pytest.raises(LogFormatError, match=r"records 3 engines \(a, late, a \(restart 1\)\)"):
+        read_log(path)

@@ -46,6 +46,7 @@ class Member:
         self._base = self.rows[0]
         self._kept: deque = deque(maxlen=MAX_KEPT_EVENTS)
         self._taps: list = []                          # callables(events) fed from the poll thread
+        self._tap_reset = False                        # a reset not yet told to the taps (no events came)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -110,6 +111,7 @@ class Member:
             self.model, self.stats = DashboardModel(knobs=dict(source.knobs)), StepStats()
             with self._lock:
                 self._kept.clear()
+            self._tap_reset = True                   # told to the taps with the next events
         if not self.model.knobs and source.knobs:
             self.model.knobs.update(source.knobs)
         events = poll.events
@@ -119,8 +121,9 @@ class Member:
             with self._lock:
                 self._kept.extend(events)
                 taps = list(self._taps)
+            reset, self._tap_reset = self._tap_reset, False
             for tap in taps:
-                tap(self, events, poll.reset)
+                tap(self, events, reset)
             self.steps = tuple(self.stats.steps)
         if not events and not poll.reset and time.monotonic() - self._row_at < ROW_EVERY_S:
             return
@@ -150,13 +153,11 @@ class Member:
 
     def _base_row(self, source, events) -> FleetRow:
         """Name, kind, mode, state and age; the numbers are filled by event_row / scraped_row."""
+        kind = self.kind()
         if self.flavour == "events":
-            kind = "batchtop-in-vLLM" if str(source.meta.get("device", "")).startswith("vllm") \
-                else "batchtop serve"
             connected = source.connected
             state = "paused" if connected and source.paused else "live" if connected else "down"
         else:
-            kind = KIND_NAMES.get(self.flavour, self.flavour or "?")
             connected = source.connected
             state = "live" if connected else "down" if source.last_error else "connecting"
         data_at = self._base.data_at
@@ -166,6 +167,13 @@ class Member:
         self._base = FleetRow(self.name, self.url, kind=kind, state=state, reason=reason or self.note,
                               data_at=data_at, rank=self.target.rank)
         return self._base
+
+    def kind(self) -> str:
+        """What answers at the URL, in words: batchtop serve, batchtop-in-vLLM, vLLM, SGLang."""
+        if self.flavour == "events" and self.source is not None:
+            inside = str(self.source.meta.get("device", "")).startswith("vllm")
+            return "batchtop-in-vLLM" if inside else "batchtop serve"
+        return KIND_NAMES.get(self.flavour, self.flavour or "?")
 
     def _publish_down(self, reason: str, retry_at: float | None) -> None:
         wait = f"; retrying in {max(0.0, retry_at - time.monotonic()):.1f} s" if retry_at else ""

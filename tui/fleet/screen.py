@@ -67,6 +67,7 @@ class FleetScreen(Screen):
         self.pace = ""
         self.recorder: FleetRecorder | None = None
         self._recorded: list[Member] = []
+        self._recorded_as: dict[str, str] = {}       # member -> its name in the recording
 
     def compose(self) -> ComposeResult:
         yield Static(id="fleet-title")
@@ -271,26 +272,46 @@ class FleetScreen(Screen):
         self.app.push_screen(PromptScreen("record every event engine to one log (JSONL):", default), done)
 
     def start_recording(self, path: str) -> str:
-        """Record every event engine from now on, each event named by its engine; what happened, in words."""
-        members = [m for m in self.members if m.flavour == "events" and m.source is not None]
-        if not members:
+        """Record every event engine from now on, each event named by its engine; an engine whose
+        event stream starts later (down or not yet found now, or back from down) is recorded from when
+        it joins. What happened, in words."""
+        streaming = [m for m in self.members if m.flavour == "events" and m.source is not None]
+        scraped = {m.name: m.url for m in self.members if m.flavour not in (None, "events")}
+        waiting = {m.name: m.url for m in self.members if m not in streaming and m.name not in scraped}
+        if not streaming and not waiting:
             return "no event engine to record (scraped engines have no events)"
-        engines = {m.name: _engine_header(m) for m in members}
         try:
-            self.recorder = FleetRecorder(path, engines)
+            self.recorder = FleetRecorder(path, {m.name: _engine_header(m) for m in streaming},
+                                          waiting=waiting, scraped=scraped)
         except OSError as error:
             return f"cannot record to {path}: {error.strerror}"
-        self._recorded = members
-        for member in members:
+        self._recorded = [m for m in self.members if m.name not in scraped]
+        self._recorded_as = {m.name: m.name for m in streaming}
+        for member in self._recorded:
             member.tap(self._record)
-        skipped = len(self.members) - len(members)
-        return (f"recording {len(members)} engines to {path}"
-                + (f" ({skipped} without an event stream are not recorded)" if skipped else ""))
+        words = [f"recording {len(streaming)} engines to {path}"]
+        if waiting:
+            words.append(f"{len(waiting)} more from when they stream")
+        if scraped:
+            words.append(f"{len(scraped)} without an event stream are not recorded")
+        return words[0] + (f" ({'; '.join(words[1:])})" if words[1:] else "")
 
     def _record(self, member: Member, events, reset: bool) -> None:
+        """A member's events (its poll thread). One that starts streaming joins the recording; one whose
+        server restarted (`reset`) joins again as a run of its own, "NAME (restart N)"."""
         recorder = self.recorder
-        if recorder is not None:
-            recorder.write(member.name, events)
+        if recorder is None:
+            return
+        name = self._recorded_as.get(member.name)
+        if name is None or reset:
+            name = member.name
+            restarts = 0
+            while name in recorder.engines:
+                restarts += 1
+                name = f"{member.name} (restart {restarts})"
+            recorder.join(name, _engine_header(member))
+            self._recorded_as[member.name] = name
+        recorder.write(name, events)
 
     def stop_recording(self) -> str:
         recorder, self.recorder = self.recorder, None
@@ -314,10 +335,9 @@ def _knob(member: Member, name: str):
 def _engine_header(member: Member) -> dict:
     """What a log of this engine alone would say about it in its header."""
     source = member.source
-    row = member.rows[0]
-    return {"url": member.url, "kind": row.kind, "model": source.meta.get("model"),
+    return {"url": member.url, "engine_kind": member.kind(), "model": source.meta.get("model"),
             "knobs": dict(source.knobs), "start_monotonic": source.now(),
-            **{k: v for k, v in source.meta.items() if k != "model" and v is not None}}
+            **{k: v for k, v in source.meta.items() if k not in ("model", "kind") and v is not None}}
 
 
 class FleetApp(App):
