@@ -111,7 +111,9 @@ class Member:
             self.model, self.stats = DashboardModel(knobs=dict(source.knobs)), StepStats()
             with self._lock:
                 self._kept.clear()
-            self._tap_reset = True                   # told to the taps with the next events
+                # told to the taps with the next events; a reset before any tap (the first hello)
+                # is no restart to a recording that starts later
+                self._tap_reset = bool(self._taps)
         if not self.model.knobs and source.knobs:
             self.model.knobs.update(source.knobs)
         events = poll.events
