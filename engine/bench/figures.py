@@ -41,8 +41,17 @@ def cpu_name() -> str:
 
 
 def commit() -> str:
+    """The commit the running code came from: HEAD when this module was first imported (a benchmark's
+    start), not when its figures are written (the checkout may have moved on meanwhile)."""
+    return _COMMIT_AT_START
+
+
+def _head() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=DOCS.parent).stdout.strip() or "?"
     except OSError:
         return "?"
+
+
+_COMMIT_AT_START = _head()
