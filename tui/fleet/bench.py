@@ -166,8 +166,9 @@ def main(argv=None) -> int:
     lines = [SECTION, "",
              f"`python -m batchtop.tui.fleet.bench --engines {args.engines} --seconds {args.seconds:g} "
              f"--rounds {args.rounds}`, {time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()} "
-             "(2 cores shared with other jobs): the fleet screen (headless Textual at "
-             f"{SIZE[0]}x{SIZE[1]}, 20 Hz tick) over {args.engines} `batchtop serve --model tiny "
+             f"({os.cpu_count()} cores; nothing else ran but the {args.engines} engines and their "
+             f"clients, on the same cores): the fleet screen (headless Textual at {SIZE[0]}x{SIZE[1]}, "
+             f"20 Hz tick) over {args.engines} `batchtop serve --model tiny "
              f"--max-num-seqs 4 --threads 1` processes on this host, each kept busy by {args.streams} "
              "clients (16 output tokens a request, from a separate process). Redraws: the table's renders "
              "per second; CPU: this process's CPU seconds per wall second (UI thread, the engines' poll "
