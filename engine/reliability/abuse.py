@@ -27,6 +27,11 @@ from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.server.app import ServerThread, build_server
 
 API_KEY = "abuse-key"
+# Every route that controls the engine or reads what a web page must not: (method, path, JSON body).
+CONTROL_ROUTES = [("POST", "/v1/knobs", {"name": "max_num_seqs", "value": 1}), ("POST", "/v1/pause", None),
+                  ("POST", "/v1/resume", None), ("POST", "/v1/step", None),
+                  ("POST", "/v1/requests/cmpl-0/abort", None), ("GET", "/v1/knobs", None),
+                  ("GET", "/v1/events", None)]
 
 
 @dataclass
@@ -254,21 +259,23 @@ def _keys(url, api_key) -> Case:
     case = Case("API keys: wrong, partial, longer, non-ASCII; control without the key")
     wrong = [None, "", "Bearer", f"Bearer {api_key[:-1]}", f"Bearer {api_key}x", f"Bearer {api_key.upper()}",
              f"bearer {api_key}", api_key, f"Bearer  {api_key}", "Bearer " + "x" * 10_000]
-    control = [("POST", "/v1/knobs", {"name": "max_num_seqs", "value": 1}), ("POST", "/v1/pause", None),
-               ("POST", "/v1/resume", None), ("POST", "/v1/step", None),
-               ("POST", "/v1/requests/cmpl-0/abort", None), ("GET", "/v1/knobs", None),
-               ("GET", "/v1/events", None)]
     with httpx.Client(base_url=url, timeout=30) as client:
         for header in wrong:
-            for method, path, body in control:
+            for method, path, body in CONTROL_ROUTES:
                 headers = {} if header is None else {"Authorization": header}
                 case.expect(client.request(method, path, headers=headers, json=body), 401)
         raw = httpx.Headers([(b"Authorization", b"Bearer \xff\xfe" + api_key.encode())])
         case.expect(client.post("/v1/pause", headers=raw), 401)
         knobs = case.expect(client.get("/v1/knobs", headers={"Authorization": f"Bearer {api_key}"}), 200)
-        if _json(knobs).get("paused") or _json(knobs).get("knobs", {}).get("max_num_seqs") == 1:
+        if _changed_by_control(_json(knobs)):
             case.problems.append("a refused control request changed the engine")
     return case
+
+
+def _changed_by_control(state: dict) -> bool:
+    """GET /v1/knobs's answer shows a control request of CONTROL_ROUTES took effect (paused, or the
+    knob it sets at its value)."""
+    return bool(state.get("paused")) or state.get("knobs", {}).get("max_num_seqs") == 1
 
 
 def _origins_and_hosts(url, headers, model) -> Case:
@@ -277,26 +284,21 @@ def _origins_and_hosts(url, headers, model) -> Case:
     server's own origin and IP-literal hosts pass; nothing refused changes the engine."""
     case = Case("browser origins and rebinding Host names")
     own = urlsplit(url).netloc
-    control = [("POST", "/v1/knobs", {"name": "max_num_seqs", "value": 1}), ("POST", "/v1/pause", None),
-               ("POST", "/v1/resume", None), ("POST", "/v1/step", None),
-               ("POST", "/v1/requests/cmpl-0/abort", None), ("GET", "/v1/knobs", None),
-               ("GET", "/v1/events", None)]
     completion = ("POST", "/v1/completions", {"model": model, "prompt": [1, 2], "max_tokens": 2})
     foreign = ["http://evil.example", "https://localhost.evil.example", "null", f"http://{own}.evil.example"]
     rebinding = ["evil.example", f"evil.example:{urlsplit(url).port}", "localhost.evil.example",
                  "127.0.0.1.nip.io"]
     with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         for origin in foreign:
-            for method, path, body in control + [completion]:
+            for method, path, body in CONTROL_ROUTES + [completion]:
                 case.expect(client.request(method, path, json=body, headers={"Origin": origin}), 403)
         for host in rebinding:
-            for method, path, body in control + [completion, ("GET", "/health", None)]:
+            for method, path, body in CONTROL_ROUTES + [completion, ("GET", "/health", None)]:
                 case.expect(client.request(method, path, json=body, headers={"Host": host}), 421)
         method, path, body = completion
         case.expect(client.request(method, path, json=body, headers={"Origin": f"http://{own}"}), 200)
         case.expect(client.get("/v1/knobs", headers={"Host": own}), 200)
-        state = _json(case.expect(client.get("/v1/knobs"), 200))
-        if state.get("paused") or state.get("knobs", {}).get("max_num_seqs") == 1:
+        if _changed_by_control(_json(case.expect(client.get("/v1/knobs"), 200))):
             case.problems.append("a refused request from a web page changed the engine")
     return case
 
