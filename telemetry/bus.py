@@ -9,6 +9,11 @@ slow subscriber's buffer is full its oldest event is dropped. The next
 Drop accounting costs nothing per event beyond one counter: the bus numbers
 what it publishes (`_seq`), each subscription remembers the number it had
 reached at its last drain, so `published since - still buffered = dropped`.
+
+A consumer that sleeps until there is something to drain gives `notify`: it is
+called on the publisher's thread when an event lands in an empty buffer, so once
+per burst between two drains, never per event. It must not block (a server's
+`loop.call_soon_threadsafe`, a `threading.Event.set`).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from .events import Event, EventsDropped
 DEFAULT_MAXLEN = 10_000
 
 Sink = Callable[[Event], None]
+Notify = Callable[[], None]
 
 
 def _with_drop_notice(items: list[Event], num_dropped: int) -> list[Event]:
@@ -39,15 +45,17 @@ def _with_drop_notice(items: list[Event], num_dropped: int) -> list[Event]:
 class Subscription:
     """One consumer's bounded buffer on an EventBus. Create with `EventBus.subscribe`."""
 
-    __slots__ = ("_bus", "_buf", "_base_seq", "maxlen", "num_dropped_total", "closed")
+    __slots__ = ("_bus", "_buf", "_base_seq", "maxlen", "num_dropped_total", "closed", "notify")
 
-    def __init__(self, bus: EventBus, maxlen: int, base_seq: int, initial: Iterable[Event] = ()):
+    def __init__(self, bus: EventBus, maxlen: int, base_seq: int, initial: Iterable[Event] = (),
+                 notify: Notify | None = None):
         self._bus = bus
         self._buf: deque[Event] = deque(initial, maxlen=maxlen)
         self._base_seq = base_seq       # bus sequence number the buffer's content starts after
         self.maxlen = maxlen
         self.num_dropped_total = 0      # over the subscription's life, for a status line
         self.closed = False
+        self.notify = notify            # called when an event lands in the empty buffer
 
     def drain(self) -> list[Event]:
         """Every buffered event, oldest first; an EventsDropped first if some were lost.
@@ -107,7 +115,10 @@ class EventBus:
         try:
             self._seq += 1
             for sub in self._subs:
-                sub._buf.append(event)
+                buf = sub._buf
+                if not buf and sub.notify is not None:
+                    sub.notify()
+                buf.append(event)
             if self._history is not None:
                 self._history.append(event)
         finally:
@@ -115,11 +126,12 @@ class EventBus:
 
     __call__ = publish
 
-    def subscribe(self, maxlen: int = DEFAULT_MAXLEN, *, replay_history: bool = False) -> Subscription:
+    def subscribe(self, maxlen: int = DEFAULT_MAXLEN, *, replay_history: bool = False,
+                  notify: Notify | None = None) -> Subscription:
         """A new bounded buffer receiving every event published from now on.
 
         With `replay_history`, the buffer starts with the ring's recent events
-        (the newest `maxlen` of them).
+        (the newest `maxlen` of them). `notify`: see the module's docstring.
         """
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
@@ -127,7 +139,7 @@ class EventBus:
             initial = list(self._history) if (replay_history and self._history) else []
             initial = initial[-maxlen:]
             # Count the replayed events as published to this subscriber, none dropped.
-            sub = Subscription(self, maxlen, self._seq - len(initial), initial)
+            sub = Subscription(self, maxlen, self._seq - len(initial), initial, notify)
             self._subs = (*self._subs, sub)
         return sub
 
@@ -155,9 +167,9 @@ class EventLog:
     `log.drain()` from any thread. Also handy in tests (`maxlen=None`: unbounded).
     """
 
-    __slots__ = ("_lock", "_buf", "_num_appended", "maxlen", "num_dropped_total")
+    __slots__ = ("_lock", "_buf", "_num_appended", "maxlen", "num_dropped_total", "notify")
 
-    def __init__(self, maxlen: int | None = DEFAULT_MAXLEN):
+    def __init__(self, maxlen: int | None = DEFAULT_MAXLEN, notify: Notify | None = None):
         if maxlen is not None and maxlen < 1:
             raise ValueError(f"maxlen must be >= 1 or None, got {maxlen}")
         self._lock = threading.Lock()
@@ -165,13 +177,17 @@ class EventLog:
         self._num_appended = 0          # since the last drain
         self.maxlen = maxlen
         self.num_dropped_total = 0
+        self.notify = notify            # as a Subscription's: called when an event lands in the empty buffer
 
     def append(self, event: Event) -> None:
         lock = self._lock
         lock.acquire()
         try:
             self._num_appended += 1
-            self._buf.append(event)
+            buf = self._buf
+            if not buf and self.notify is not None:
+                self.notify()
+            buf.append(event)
         finally:
             lock.release()
 

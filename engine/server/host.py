@@ -3,7 +3,7 @@
 The engine runs on its `EngineLoop` thread; this module never touches it directly except
 through the loop (add_request, abort, commands) and read-only looks (knobs, tokenizer, pool
 sizes). Events come in through a bus subscription, drained into the event ring and the
-metrics every 50 ms on the asyncio thread.
+metrics on the asyncio thread as soon as they are published (at most every 5 ms).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class BatchtopServer(ControlHost):
         self.max_body_bytes = max_body_bytes
         self.tokenizer = self.engine.tokenizer
         self.created = int(time.time())
-        self.subscription = bus.subscribe(maxlen=max(event_history, 200_000))
+        self.subscription = bus.subscribe(maxlen=max(event_history, 200_000), notify=self.wake_pump)
         self.ring = EventRing(event_history)
         self.metrics = ServerMetrics(self.model_name, knobs=self.engine.knobs())
         self.router = OutputRouter()

@@ -9,7 +9,7 @@ $BATCHTOP_EVENTS_API_KEY only loopback may be bound; with it every request needs
 `Authorization: Bearer KEY`. $BATCHTOP_EVENTS_ALLOWED_HOSTS and $BATCHTOP_EVENTS_ALLOWED_ORIGINS
 (comma-separated) extend the Host and Origin rules; $BATCHTOP_EVENTS_MAX_BODY_BYTES the body limit.
 uvicorn runs on a daemon thread with its own asyncio loop; events cross from the engine thread
-through the scheduler's EventLog, drained here every 50 ms.
+through the scheduler's EventLog, drained here as soon as they are published (at most every 5 ms).
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class SideEndpoint(ControlHost):
         self.knob_table = scheduler.batchtop_knobs
         self.rules = rules
         self.ring = EventRing(EVENT_HISTORY)
+        scheduler.batchtop_events.notify = self.wake_pump
         self.app = FastAPI(title="batchtop inside vLLM", lifespan=lifespan(self),
                            description="batchtop's telemetry events and live knobs from vLLM's scheduler")
         mount(self.app, self, rules)

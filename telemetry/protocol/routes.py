@@ -27,7 +27,8 @@ from .knob import Knob, describe_knobs, lookup
 from .limits import RETRY_AFTER_S
 from .stream import EventRing, events_response
 
-PUMP_INTERVAL_S = 0.05
+PUMP_INTERVAL_S = 0.05      # the pump's period when nothing wakes it
+PUMP_GAP_S = 0.005          # and its shortest: at most 200 pumps a second however often it is woken
 
 
 class KnobUpdate(BaseModel):
@@ -52,6 +53,9 @@ class ControlHost(ABC):
         self.server_id = uuid.uuid4().hex[:12]
         self.paused = False              # as the API last set it (the engine applies it before its next step)
         self.closing = False             # set on shutdown: endless event streams end so the server can stop
+        self._pump_loop: asyncio.AbstractEventLoop | None = None
+        self._pump_woken: asyncio.Event | None = None
+        self._wake_sent = False          # one wakeup in flight at a time
 
     # -- what a host supplies ----------------------------------------------------------------
 
@@ -151,10 +155,31 @@ class ControlHost(ABC):
         except QueueFull:
             pass                         # the engine is behind: the joining client waits for the next one
 
+    def wake_pump(self) -> None:
+        """Any thread, never blocks: events wait to be pumped. The engine's event buffer calls it when an
+        event lands in it empty (its `notify`), so an event reaches the streams within one pump gap of
+        being published rather than within the pump's period."""
+        loop, woken = self._pump_loop, self._pump_woken
+        if self._wake_sent or loop is None:
+            return
+        self._wake_sent = True
+        try:
+            loop.call_soon_threadsafe(woken.set)
+        except RuntimeError:             # the server's loop has closed: nobody pumps any more
+            pass
+
     async def run_pump(self) -> None:
+        woken = asyncio.Event()
+        self._pump_woken, self._pump_loop = woken, asyncio.get_running_loop()
         while True:
+            woken.clear()
+            self._wake_sent = False      # before draining: an event published after the drain wakes us again
             self.pump()
-            await asyncio.sleep(PUMP_INTERVAL_S)
+            await asyncio.sleep(PUMP_GAP_S)
+            try:
+                await asyncio.wait_for(woken.wait(), PUMP_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
 
 
 def protocol_router(host: ControlHost, responses: dict | None = None) -> APIRouter:

@@ -134,3 +134,27 @@ def test_event_log_sink():
     for i in range(5):
         unbounded.append(ev(i))
     assert unbounded.drain() == [ev(i) for i in range(5)]
+
+
+def test_notify_once_per_burst_between_drains():
+    """A sleeping consumer is woken when an event lands in its empty buffer: once per burst, not per event."""
+    bus = EventBus()
+    calls = []
+    woken = bus.subscribe(notify=lambda: calls.append(len(calls)))
+    plain = bus.subscribe()
+    for i in range(5):
+        bus.publish(ev(i))
+    assert len(calls) == 1
+    assert len(woken.drain()) == 5 and len(plain.drain()) == 5
+    bus.publish(ev(5))
+    bus.publish(ev(6))
+    assert len(calls) == 2
+    woken.drain()
+    assert woken.drain() == [] and len(calls) == 2          # an empty drain wakes nobody
+    log_calls = []
+    log = EventLog(notify=lambda: log_calls.append(1))
+    for i in range(3):
+        log(ev(i))
+    log.drain()
+    log(ev(3))
+    assert len(log_calls) == 2

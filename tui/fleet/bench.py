@@ -24,6 +24,8 @@ from batchtop.engine.bench.figures import commit, cpu_name, publish
 from batchtop.telemetry.events import StepPlanned
 from batchtop.telemetry.run_stats import percentile
 
+from .screen import DRAW_GAP_S
+
 SECTION = "## Fleet screen"
 SIZE = (160, 40)
 
@@ -166,15 +168,16 @@ def main(argv=None) -> int:
     lines = [SECTION, "",
              f"`python -m batchtop.tui.fleet.bench --engines {args.engines} --seconds {args.seconds:g} "
              f"--rounds {args.rounds}`, {time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()} "
-             f"({os.cpu_count()} cores; nothing else ran but the {args.engines} engines and their "
-             f"clients, on the same cores): the fleet screen (headless Textual at {SIZE[0]}x{SIZE[1]}, "
-             f"20 Hz tick) over {args.engines} `batchtop serve --model tiny "
-             f"--max-num-seqs 4 --threads 1` processes on this host, each kept busy by {args.streams} "
+             f"({os.cpu_count()} cores, shared with the {args.engines} engines and their clients; the "
+             "load average column says what else ran): the fleet screen (headless Textual at "
+             f"{SIZE[0]}x{SIZE[1]}, a changed row drawn at once, at most {1 / DRAW_GAP_S:.0f} times a "
+             f"second) over {args.engines} `batchtop serve --model tiny --max-num-seqs 4 --threads 1` "
+             f"processes on this host, each kept busy by {args.streams} "
              "clients (16 output tokens a request, from a separate process). Redraws: the table's renders "
              "per second; CPU: this process's CPU seconds per wall second (UI thread, the engines' poll "
              "and stream threads); latency: each StepPlanned event's own time to the render of the row "
              "that first shows it, split into its way to the fleet (the engine's pump, the stream, the poll "
-             "thread receiving it) and the fleet's own part (folded, row built, tick, render). Load avg: the "
+             "thread receiving it) and the fleet's own part (folded, row built, drawn). Load avg: the "
              "host's 1-minute load average at the end of the round (2 cores).", "",
              "| round | load avg | redraws/s | CPU s / s | decisions | decision → screen p50 / p99 / max ms "
              "| → poll thread p50 / p99 ms | poll thread → screen p50 / p99 ms |",

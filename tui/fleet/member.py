@@ -3,9 +3,11 @@ holds the screen.
 
 The thread finds out what answers at the URL (`detect`: batchtop's event stream, else a vLLM or SGLang
 `/metrics`), builds the source the single-engine dashboard would use (`RemoteSource` or
-`MetricsSource`), and then, every `poll_s` (20 ms), drains it into a `DashboardModel` and `StepStats` and
-publishes the engine's rows (`rows`: immutable, read by the UI thread). Nothing answering, or a server
-gone, is a row marked down with the reason; the thread (and the sources' own) retry with backoff.
+`MetricsSource`), and then drains it into a `DashboardModel` and `StepStats` and publishes the engine's
+rows (`rows`: immutable, read by the UI thread; `on_rows` is told). An event stream wakes the thread
+when events arrive (at most every 20 ms, every 0.5 s without any); a scrape is polled every `poll_s`.
+Nothing answering, or a server gone, is a row marked down with the reason; the thread (and the
+sources' own) retry with backoff.
 
 While a recording runs, every event drained is also handed to it under the engine's name; while the
 engine's full dashboard is open, to `SharedSource` too (the dashboard folds its own model from it).
@@ -16,6 +18,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import replace
+from typing import Callable
 
 from ..model import DashboardModel
 from ..sources import Poll, Source
@@ -24,7 +27,8 @@ from .targets import Target
 
 KIND_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 MAX_KEPT_EVENTS = 20_000        # handed to a dashboard opened later, so it starts with recent history
-POLL_S = 0.02                   # draining an idle source is a lock and an empty list: poll often, for latency
+POLL_S = 0.02                   # a scrape's source is drained this often (it fetches once a `period_s`)
+POLL_GAP_S = 0.02               # an event source woken sooner waits this long after its last drain
 ROW_EVERY_S = 0.5               # without new events the row is rebuilt this often (ages, decaying rates)
 
 
@@ -43,12 +47,14 @@ class Member:
         self.steps: tuple[StepRecord, ...] = ()
         self.note = ""                                # the last command's answer, shown in the row
         self.version = 0                              # bumped whenever `rows` changes
+        self.on_rows: Callable[[], None] | None = None  # told on this thread when `rows` changes
         self._base = self.rows[0]
         self._kept: deque = deque(maxlen=MAX_KEPT_EVENTS)
         self._taps: list = []                          # callables(events) fed from the poll thread
         self._tap_reset = False                        # a reset not yet told to the taps (no events came)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._woken = threading.Event()               # the event source has events to drain
         self._thread: threading.Thread | None = None
         self._scrape_key: tuple | None = None
         self._row_at = float("-inf")
@@ -71,11 +77,16 @@ class Member:
                     self._stop.wait(delay)
                     delay = min(delay * 2, self.backoff_s[1])
                     continue
+            self._woken.clear()               # before draining: what arrives after it wakes us again
             try:
                 self.poll()
             except Exception as error:        # a bug in folding is shown in the row, never kills the thread
                 self._publish_down(f"{type(error).__name__}: {error}", None)
-            self._stop.wait(self.poll_s)
+            if self.flavour == "events":
+                self._stop.wait(POLL_GAP_S)
+                self._woken.wait(ROW_EVERY_S)
+            else:
+                self._stop.wait(self.poll_s)
 
     def _connect(self) -> str | None:
         """Detect and build the source; the reason as text when nothing usable answers."""
@@ -86,7 +97,7 @@ class Member:
         except NotAServer as error:
             return str(error)
         if flavour == "events":
-            source = RemoteSource(self.url, self.api_key).start()
+            source = RemoteSource(self.url, self.api_key, notify=self._woken.set).start()
         else:
             source = MetricsSource(self.url, flavour, self.api_key, period_s=self.period_s).start()
         if self._stop.is_set():
@@ -185,6 +196,9 @@ class Member:
     def _set_rows(self, rows: tuple[FleetRow, ...]) -> None:
         self.rows = rows
         self.version += 1
+        on_rows = self.on_rows
+        if on_rows is not None:
+            on_rows()
 
     # -- what the screen asks ------------------------------------------------------------------
 
@@ -210,6 +224,7 @@ class Member:
 
     def close(self) -> None:
         self._stop.set()
+        self._woken.set()
         if self._thread is not None:
             self._thread.join(10)
         if self.source is not None:

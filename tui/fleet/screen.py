@@ -1,7 +1,8 @@
 """`FleetScreen`: the fleet table, its keys, and the commands that go to one engine or to all.
 
-Each engine is a `Member` that follows it on its own thread; once per tick (20 Hz) the screen reads
-their published rows and redraws when one changed (once a second otherwise: ages move). Commands to an
+Each engine is a `Member` that follows it on its own thread; a member whose rows changed tells the
+screen (a `RowsChanged` message, one in flight at a time), which reads the published rows and redraws
+at once, at most 30 times a second (and once a second otherwise: ages move). Commands to an
 engine wait on the network, so they run on worker threads; each answer comes back as a
 `FleetAnswered` message and is shown in that engine's row. Enter opens the selected engine's full
 dashboard over the same source (Esc comes back); the members keep following their engines meanwhile.
@@ -25,8 +26,12 @@ from .pace import find_pacer
 from .rows import FleetRow
 from .table import COLUMNS, FleetTable
 
-TICK_S = 0.05                 # a row that changed is redrawn within 50 ms (the decision-to-screen figure)
-IDLE_REDRAW_TICKS = 20        # with nothing new, redraw once a second (ages move)
+TICK_S = 1.0                  # with nothing new, redraw once a second (ages move)
+DRAW_GAP_S = 1 / 30           # a changed row is drawn at once, at most 30 times a second
+
+
+class RowsChanged(Message):
+    """A member published new rows (posted from its poll thread)."""
 
 
 class FleetAnswered(Message):
@@ -62,7 +67,9 @@ class FleetScreen(Screen):
         self._tick_s = tick_s
         self._on_draw = on_draw
         self._versions: tuple[int, ...] = ()
-        self._ticks = 0
+        self._change_posted = False                  # a RowsChanged is on its way
+        self._draw_due = False                       # a draw is set for the end of the gap
+        self._drawn_at = float("-inf")
         self.message = ""
         self.pace = ""
         self.recorder: FleetRecorder | None = None
@@ -78,8 +85,10 @@ class FleetScreen(Screen):
     def on_mount(self) -> None:
         self.table = self.query_one(FleetTable)
         if self._tick_s:
-            self.set_interval(self._tick_s, self.tick)
-        self.tick()
+            self.set_interval(self._tick_s, lambda: self.tick(force=True))
+            for member in self.members:
+                member.on_rows = self._rows_changed
+        self.tick(force=True)
 
     def member(self, name: str) -> Member | None:
         for member in self.members:
@@ -89,13 +98,35 @@ class FleetScreen(Screen):
 
     # -- the tick ---------------------------------------------------------------------------------
 
-    def tick(self) -> None:
+    def _rows_changed(self) -> None:
+        """A member's poll thread: never blocks; one message in flight however many engines changed."""
+        if not self._change_posted:
+            self._change_posted = True
+            self.post_message(RowsChanged())
+
+    def on_rows_changed(self, message: RowsChanged) -> None:
+        self._change_posted = False
+        if self._draw_due:
+            return
+        wait = self._drawn_at + DRAW_GAP_S - time.monotonic()
+        if wait <= 0:
+            self.tick()
+        else:
+            self._draw_due = True
+            self.set_timer(wait, self._draw_at_gap_end)
+
+    def _draw_at_gap_end(self) -> None:
+        self._draw_due = False
+        self.tick()
+
+    def tick(self, force: bool = False) -> None:
+        """Read the members' rows and redraw if one changed (or `force`)."""
         if not self.is_current:
             return                             # the dashboard is on top: it draws, the members still poll
-        self._ticks += 1
         versions = tuple(member.version for member in self.members)
-        if versions != self._versions or self._ticks % IDLE_REDRAW_TICKS == 0:
+        if versions != self._versions or force:
             self._versions = versions
+            self._drawn_at = time.monotonic()
             self.table.rows = [row for member in self.members for row in member.rows]
             self._check_pace()
             self.redraw()
@@ -324,6 +355,8 @@ class FleetScreen(Screen):
                f"batchtop replay {recorder.path} --engine NAME)"
 
     def on_unmount(self) -> None:
+        for member in self.members:
+            member.on_rows = None
         self.stop_recording()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import httpx
 from httpx_sse import connect_sse
@@ -30,8 +31,10 @@ class RemoteSource(Source):
     commands_block = True
 
     def __init__(self, url: str, api_key: str | None = None, *, backoff_s: tuple[float, float] = (0.5, 8.0),
-                 timeout_s: float = 5.0, read_timeout_s: float = 30.0, from_step: int | None = 0):
+                 timeout_s: float = 5.0, read_timeout_s: float = 30.0, from_step: int | None = 0,
+                 notify: Callable[[], None] | None = None):
         super().__init__()
+        self.notify = notify                   # called on the stream's thread when polling has news
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.backoff_s = backoff_s
@@ -175,6 +178,8 @@ class RemoteSource(Source):
         if first or self.last_seq is None:
             with self._lock:
                 self._pending, self._reset = [], True
+            if self.notify is not None:
+                self.notify()
         return True
 
     def _gap(self, notice: dict) -> None:
@@ -196,9 +201,12 @@ class RemoteSource(Source):
         elif kind is KnobChanged:
             self.knobs[event.name] = event.new
         with self._lock:
+            first = not self._pending
             self._pending.append(event)
         if event_id is not None:
             self.last_seq = int(event_id)
+        if first and self.notify is not None:
+            self.notify()
 
     # -- commands ------------------------------------------------------------------------------
 
