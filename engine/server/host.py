@@ -3,7 +3,7 @@
 The engine runs on its `EngineLoop` thread; this module never touches it directly except
 through the loop (add_request, abort, commands) and read-only looks (knobs, tokenizer, pool
 sizes). Events come in through a bus subscription, drained into the event ring and the
-metrics on the asyncio thread as soon as they are published (at most every 5 ms).
+metrics on the asyncio thread as soon as they are published (at most every 10 ms).
 """
 from __future__ import annotations
 

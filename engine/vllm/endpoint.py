@@ -9,7 +9,7 @@ $BATCHTOP_EVENTS_API_KEY only loopback may be bound; with it every request needs
 `Authorization: Bearer KEY`. $BATCHTOP_EVENTS_ALLOWED_HOSTS and $BATCHTOP_EVENTS_ALLOWED_ORIGINS
 (comma-separated) extend the Host and Origin rules; $BATCHTOP_EVENTS_MAX_BODY_BYTES the body limit.
 uvicorn runs on a daemon thread with its own asyncio loop; events cross from the engine thread
-through the scheduler's EventLog, drained here as soon as they are published (at most every 5 ms).
+through the scheduler's EventLog, drained here as soon as they are published (at most every 10 ms).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from .limits import RETRY_AFTER_S
 from .stream import EventRing, events_response
 
 PUMP_INTERVAL_S = 0.05      # the pump's period when nothing wakes it
-PUMP_GAP_S = 0.005          # and its shortest: at most 200 pumps a second however often it is woken
+PUMP_GAP_S = 0.01           # and its shortest: at most 100 pumps a second however often it is woken
 
 
 class KnobUpdate(BaseModel):
