@@ -43,11 +43,16 @@ class BesideRun:
         """The plots' key line: each run's marker, file, and the start knobs in which the two differ."""
         pair = self.pair
         knobs = knob_differences(pair.main.knobs, pair.beside.knobs)
-        whatif = pair.beside.header.get("whatif") or {}
-        of = f" (what-if of {os.path.basename(whatif['recording'])})" if whatif.get("recording") else ""
-        names = (pair.main_name, pair.beside_name + of)
+        names = (pair.main_name + _whatif_of(pair.main.header),
+                 pair.beside_name + _whatif_of(pair.beside.header))
         return "   ".join(f"[b]{tag}[/] {glyph} {escape(name)}" + (f": {text}" if text else "")
                           for tag, glyph, name, text in zip("AB", RUN_GLYPHS, names, knobs))
+
+
+def _whatif_of(header: dict) -> str:
+    """" (what-if of REC)" for a what-if's output (`batchtop whatif --record`), else nothing."""
+    whatif = header.get("whatif") or {}
+    return f" (what-if of {os.path.basename(whatif['recording'])})" if whatif.get("recording") else ""
 
 
 def knob_differences(a: dict, b: dict) -> tuple[str, str]:
