@@ -7,6 +7,7 @@ import re
 import pytest
 from tui_helpers import FIXTURE_LOG, footer_drawn, screen_text
 
+from batchtop.telemetry.events import RequestArrived
 from batchtop.tui.app import BatchtopApp
 from batchtop.tui.cli import main
 from batchtop.tui.plots import PLOTS, Beside, PlotPanel, build_plot
@@ -101,6 +102,13 @@ async def test_a_whatif_output_beside_its_original_draws_both_runs_labelled(open
         # the original's KV use (• lines) climbs above the what-if's (braille)
         shown, _, _ = panel_and_alternatives(app, "kv")
         assert top_row(canvas(shown), {"•"}) < top_row(canvas(shown), BRAILLE), shown
+        # one clock: the first request arrives at time 0 of both runs, and each request of the what-if when
+        # the original received it or at most a step later (it is taken in at the next step boundary)
+        pair = app.source
+        what, original = ({e.request_id: e.t - source.origin_t for e in source.events
+                           if type(e) is RequestArrived} for source in (pair.main, pair.beside))
+        assert what.keys() == original.keys() and len(what) > 10 and what["r0"] == original["r0"] == 0.0
+        assert all(0 <= what[rid] - original[rid] < 0.25 for rid in what)
         assert "A seqs=" not in text         # a what-if keeps its knobs: no change marked on A ...
         assert "B seqs=4" in text            # ... the original's own change is, on B
 
@@ -209,7 +217,6 @@ def test_replay_alone_keeps_its_ways(tmp_path, capsys, opened):
 def test_engines_of_fleet_recordings_beside_each_other(tmp_path, capsys, opened):
     """--engine picks the main run's engine and, of a second fleet recording, its engine too;
     --beside-engine another one; a fleet recording without an engine named is refused in one line."""
-    from batchtop.telemetry.events import RequestArrived
     from batchtop.telemetry.fleet_log import FleetRecorder
 
     def arrived(t, request_id):

@@ -1,7 +1,7 @@
 """ReplayPair: a recording replayed with a second one beside it, both on one clock.
 
-The clock counts seconds since each recording's first event, so both show the same moment of their
-own run (a what-if output's virtual clock starts at its original's first event: the two line up).
+The clock counts seconds since each recording's start, its first event (a what-if output's virtual clock
+starts at its original's first event: the two line up), so both show the same moment of their own run.
 Play, pause and speed move the clock; step, step back and seek go by the main recording's steps and
 the second one follows to the same time. The clock runs until the longer recording ends. Every panel
 shows the main recording; the plots draw the second one too (`beside`, `beside_shift`).

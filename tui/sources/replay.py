@@ -45,8 +45,10 @@ class ReplaySource(Source):
         self._last_clock = clock()
         self._cursor = 0                      # index of the next event to hand out
         self._reset = False
-        self.origin_t = events[0].t if events else 0.0     # time 0 of the recording: its first event
-        self.position_t = self.origin_t
+        # Time 0 of the recording: its first event; a what-if output's virtual clock counts from its
+        # original's first event already.
+        self.origin_t = 0.0 if header.get("whatif") else events[0].t if events else 0.0
+        self.position_t = events[0].t if events else 0.0
         self._pending_t: float | None = None  # where a time seek stands once its events are out
         # Step boundaries: the index just past each StepFinished, and its step number.
         self._finish_ends = [i + 1 for i, e in enumerate(events) if type(e) is StepFinished]
@@ -109,7 +111,7 @@ class ReplaySource(Source):
         if end < self._cursor:
             self._cursor = 0
             self._reset = True
-            self.position_t = self.origin_t
+            self.position_t = self.events[0].t if self.events else 0.0
         self._pending_end = end
         self.paused = True
 
