@@ -96,6 +96,8 @@ def add_replay(sub) -> None:
 def cmd_replay(args) -> int:
     from .app import BatchtopApp
     from .sources import ReplaySource
+    if args.beside_engine and not args.beside:
+        raise ValueError("--beside-engine names the engine of the --beside recording: give --beside LOG2")
     try:
         if args.beside is None:
             source = ReplaySource.from_file(args.log, speed=args.speed, paused=args.paused,

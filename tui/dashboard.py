@@ -244,7 +244,7 @@ class DashboardScreen(ControlActions, KnobActions, ViewActions, Screen):
             self.model.advance(now)
         moved = poll.events or poll.reset
         if self.beside is not None and self.beside.update():
-            moved = self._plots_dirty = True
+            moved = True
         self._ticks += 1
         self._fit_top()
         if self.model.message != self._seen_model_message:

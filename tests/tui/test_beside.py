@@ -238,3 +238,4 @@ def test_engines_of_fleet_recordings_beside_each_other(tmp_path, capsys, opened)
     assert pair.beside_name == "small.jsonl"
     assert "choose one with --engine NAME" in fails(capsys, FIXTURE_LOG, "--beside", fleet)
     assert "has no engine 'c'" in fails(capsys, FIXTURE_LOG, "--beside", fleet, "--beside-engine", "c")
+    assert "give --beside" in fails(capsys, FIXTURE_LOG, "--beside-engine", "b")
