@@ -85,16 +85,29 @@ def add_replay(sub) -> None:
     replay.add_argument("--paused", action="store_true", help="start paused at the beginning")
     replay.add_argument("--engine", metavar="NAME", help="of a fleet recording (batchtop top over several "
                                                          "engines): the engine to show")
+    replay.add_argument("--beside", metavar="LOG2", help="a second recording played beside it on one clock "
+                                                          "(e.g. a what-if output beside its original): the "
+                                                          "plots draw both")
+    replay.add_argument("--beside-engine", metavar="NAME", help="of a fleet recording given to --beside: the "
+                                                                "engine to draw (default --engine's)")
     replay.set_defaults(func=cmd_replay)
 
 
 def cmd_replay(args) -> int:
     from .app import BatchtopApp
     from .sources import ReplaySource
+    if args.beside_engine and not args.beside:
+        raise ValueError("--beside-engine names the engine of the --beside recording: give --beside LOG2")
     try:
-        source = ReplaySource.from_file(args.log, speed=args.speed, paused=args.paused, engine=args.engine)
+        if args.beside is None:
+            source = ReplaySource.from_file(args.log, speed=args.speed, paused=args.paused,
+                                            engine=args.engine)
+        else:
+            from .sources.pair import ReplayPair
+            source = ReplayPair.from_files(args.log, args.beside, args.engine, args.beside_engine,
+                                           speed=args.speed, paused=args.paused)
     except OSError as error:
-        print(f"batchtop: error: cannot read {args.log}: {error.strerror}", file=sys.stderr)
+        print(f"batchtop: error: cannot read {error.filename or args.log}: {error.strerror}", file=sys.stderr)
         return 2
     BatchtopApp(source).run()
     return 0

@@ -16,11 +16,12 @@ from typing import Callable
 
 from textual import work
 from textual.app import ComposeResult
-from textual.containers import Grid, Horizontal
+from textual.containers import Grid, Horizontal, Vertical
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import ContentSwitcher, Footer, Static
 
+from .beside import BesideRun
 from .dashboard_actions import ControlActions, KnobActions, ViewActions
 from .keys import EVENT_ACTIONS, KEYS, SCRAPE_ACTIONS, action_ability, refusals
 from .model import DashboardModel
@@ -76,6 +77,7 @@ class DashboardScreen(ControlActions, KnobActions, ViewActions, Screen):
         self._plot_every = plot_every
         self._record_path = record_path
         self.model = self._new_model()
+        self.beside: BesideRun | None = None     # a recording replayed beside the source's: the plots draw it
         self.view = self.views[0]
         self.plot_window = PLOT_WINDOWS_S[1]
         self.status_message = message          # the status line's first words (a scenario's watch line)
@@ -132,9 +134,11 @@ class DashboardScreen(ControlActions, KnobActions, ViewActions, Screen):
             with Horizontal(id="requests"):
                 yield RequestTable(id="table")
                 yield TimelineView(id="timeline-side")
-            with Grid(id="plots"):
-                for name in PLOTS:
-                    yield PlotPanel(name, id=f"plot-{name}", classes="plot")
+            with Vertical(id="plots"):
+                yield Static(id="plots-key")
+                with Grid(id="plot-grid"):
+                    for name in PLOTS:
+                        yield PlotPanel(name, id=f"plot-{name}", classes="plot")
             yield EventLogView(id="events")
             yield TimelineView(id="timeline")
         yield Static(id="status")
@@ -198,12 +202,19 @@ class DashboardScreen(ControlActions, KnobActions, ViewActions, Screen):
             self.source = source
             self._describe()
             self.model = self._new_model()
+        self._attach_beside()
         start = getattr(source, "start", None)
         if start is not None:
             start()
         if self._record_path:
             self.say(source.start_recording(self._record_path) or f"recording to {self._record_path}")
         self.tick()
+
+    def _attach_beside(self) -> None:
+        self.beside = BesideRun(self.source) if self.source.beside is not None else None
+        if self.scraped is None:
+            self.set_class(self.beside is not None, "beside")
+            self.query_one("#plots-key", Static).update(self.beside.key() if self.beside else "")
 
     def now(self) -> float | None:
         if self._clock is not None:
@@ -231,6 +242,9 @@ class DashboardScreen(ControlActions, KnobActions, ViewActions, Screen):
         now = self.now()
         if now is not None:
             self.model.advance(now)
+        moved = poll.events or poll.reset
+        if self.beside is not None and self.beside.update():
+            moved = True
         self._ticks += 1
         self._fit_top()
         if self.model.message != self._seen_model_message:
@@ -238,7 +252,6 @@ class DashboardScreen(ControlActions, KnobActions, ViewActions, Screen):
         # Rendering is the UI thread's main cost and it holds the GIL the engine thread needs:
         # new events redraw at most once per refresh_s; a quiet tick redraws once a second
         # (for the ages and rates).
-        moved = poll.events or poll.reset
         if (moved and time.monotonic() - self._last_redraw >= self._refresh_s
                 or self._ticks % IDLE_REDRAW_TICKS == 0):
             self.refresh_views()
@@ -272,8 +285,9 @@ class DashboardScreen(ControlActions, KnobActions, ViewActions, Screen):
             self.query_one(f"#{self.view}").refresh()
 
     def redraw_plots(self) -> None:
+        beside = self.beside.plotted() if self.beside is not None else None
         for panel in self.plot_panels:
-            panel.redraw(self.model, self.plot_window)
+            panel.redraw(self.model, self.plot_window, beside)
         self._plots_dirty = False
 
     def say(self, message: str, error: bool = False) -> None:

@@ -4,7 +4,9 @@ plotext keeps one global figure, so plots are built one after another on the UI
 thread. x is seconds before the newest history point; each series is a line.
 Throughput is a rate over a sliding window (RATE_SLIDE_S, named in the title), latency
 percentiles are over the model's LATENCY_WINDOW_S; a red vertical line marks every knob
-change inside the window, labelled with the knob's new value.
+change inside the window, labelled with the knob's new value. A second run (a recording replayed
+beside the main one) is drawn on the same axes, its lines of • against the main run's braille, each
+series in the main run's colour for it.
 """
 from __future__ import annotations
 
@@ -21,6 +23,16 @@ from .model import HISTORY_BUCKET_S, LATENCY_WINDOW_S, DashboardModel, HistoryPo
 
 PLOT_WINDOWS_S = (30.0, 60.0, 300.0, 600.0)
 RATE_SLIDE_S = 1.0              # throughput: tokens over the last second at each point
+SERIES_COLORS = (12, 10, 9, 14)    # a plot's series in order (plotext's first colours), the same in both runs
+RUN_MARKERS = ("braille", "•")     # the main run's lines, then the run beside it
+
+
+@dataclass(frozen=True)
+class Beside:
+    """A second run drawn on the same axes: its model, and `shift` added to a time of the main run to
+    get the same moment of this one (both count from their first event)."""
+    model: DashboardModel
+    shift: float
 
 
 @dataclass(frozen=True)
@@ -83,9 +95,10 @@ def _scheduler_label(name: str) -> str:
 
 
 def build_plot(name: str, model: DashboardModel, window_s: float, width: int, height: int,
-               knob_label: Callable[[str], str] = _scheduler_label) -> str:
+               knob_label: Callable[[str], str] = _scheduler_label, beside: Beside | None = None) -> str:
     """The plot `name` over the last `window_s` seconds of history, as an ANSI string; a knob change is
-    marked with `knob_label(name)` (the source description's labels)."""
+    marked with `knob_label(name)` (the source description's labels). `beside`: a second run drawn on
+    the same axes with its own marker, each series in the colour of the main run's."""
     spec = PLOTS[name]
     fig = plotext.figure
     fig.clear()
@@ -95,33 +108,47 @@ def build_plot(name: str, model: DashboardModel, window_s: float, width: int, he
     end = history[-1].t if history else 0.0
     # A run younger than the window is drawn over its own span, not squeezed to the right.
     span = max(5.0, min(window_s, end - history[0].t)) if history else window_s
-    points = [p for p in history if p.t >= end - span]
-    series = plot_series(spec, points, end)
     roomy = height >= 12            # room for axis labels and a legend; else the title carries them
-    top = 0.0
-    for label, xs, ys in series:
-        signal = fig.signal(xs, ys, marker="braille")
-        signal.lines()
-        if roomy:
-            signal.label(label)
-        fig.draw(signal)
-        top = max(top, max(ys))
-    for mark in model.knob_marks:
-        x = mark.t - end
-        if -span <= x <= 0:
-            fig.line(x, orientation="v", pixel="red")
-            if series:
-                fig.draw(fig.text(x, top, f" {knob_label(mark.name)}={mark.new}"))
+    runs = [(model, end, RUN_MARKERS[0], "A " if beside else "")]
+    if beside is not None:
+        runs.append((beside.model, end + beside.shift, RUN_MARKERS[1], "B "))
+    drawn = [_draw_run(fig, spec, run_model, run_end, span, marker, labelled=roomy and i == 0)
+             for i, (run_model, run_end, marker, _) in enumerate(runs)]
+    series, top = drawn[0][0], max(run_top for _, run_top in drawn)
+    for (run_model, run_end, _, tag), (run_series, _) in zip(runs, drawn):
+        for mark in run_model.knob_marks:
+            x = mark.t - run_end
+            if -span <= x <= 0:
+                fig.line(x, orientation="v", pixel="red")
+                if run_series:
+                    fig.draw(fig.text(x, top, f" {tag}{knob_label(mark.name)}={mark.new}"))
     names = "" if roomy else ": " + " ".join(label.replace(" ", "") for label, _, _ in series)
     title = f"{spec.title} (last {span:.0f} s)"
     if not roomy or len(title) > width - 8:
         title = f"{spec.short}{names} ({span:.0f} s)"
-    fig.title(title if series else f"{spec.short}: no data yet")
+    fig.title(title if any(run_series for run_series, _ in drawn) else f"{spec.short}: no data yet")
     if roomy:
         fig.label(spec.unit, axis="y")
         fig.label("seconds before now", axis="x")
     fig.ruler("x").lim(-span, 0)
     return fig.build().string()
+
+
+def _draw_run(fig, spec: PlotSpec, model: DashboardModel, end: float, span: float, marker: str,
+              labelled: bool) -> tuple[list, float]:
+    """One run's series as lines (series i in SERIES_COLORS[i]); (the series drawn, their top value)."""
+    points = [p for p in model.history if p.t >= end - span]
+    series = plot_series(spec, points, end)
+    top = 0.0
+    for label, xs, ys in series:
+        color = SERIES_COLORS[[name for name, _ in spec.series].index(label)]
+        signal = fig.signal(xs, ys, marker=plotext.marker(marker, color))
+        signal.lines()
+        if labelled:
+            signal.label(label)
+        fig.draw(signal)
+        top = max(top, max(ys))
+    return series, top
 
 
 class PlotPanel(Static):
@@ -131,17 +158,18 @@ class PlotPanel(Static):
         super().__init__(**kwargs)
         self.plot_name = name
 
-    _last: tuple[DashboardModel, float] | None = None
+    _last: tuple[DashboardModel, float, Beside | None] | None = None
 
     def on_resize(self) -> None:
         if self._last is not None:
             self.redraw(*self._last)
 
-    def redraw(self, model: DashboardModel, window_s: float) -> None:
-        self._last = (model, window_s)
+    def redraw(self, model: DashboardModel, window_s: float, beside: Beside | None = None) -> None:
+        self._last = (model, window_s, beside)
         width, height = self.size.width, self.size.height
         if width < 10 or height < 4:
             self.update("")
             return
-        plot = build_plot(self.plot_name, model, window_s, width, height, self.screen.description.label)
+        plot = build_plot(self.plot_name, model, window_s, width, height, self.screen.description.label,
+                          beside)
         self.update(Text.from_ansi(plot, no_wrap=True))

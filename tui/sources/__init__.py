@@ -3,6 +3,7 @@
 - `base`: `Source` (the interface), `Poll`, `SourceDescription` (what a source can do).
 - `feed`: `FeedSource`, events pushed by the caller (tests, synthetic streams).
 - `replay`: `ReplaySource`, a recorded log: play/pause, speed, step forward/back, seek.
+- `pair`: `ReplayPair`, a recorded log with a second one beside it, both on one clock.
 - `loading`: `LoadingSource`, shown while the real source is built.
 - `engine`: `EngineSource`, the in-process engine (the only source that imports batchtop.engine).
 - `remote`: `RemoteSource`, a server's event stream over HTTP (batchtop serve, batchtop inside vLLM).

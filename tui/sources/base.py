@@ -96,6 +96,7 @@ class Source:
     kind = "source"
     paused = False
     commands_block = False      # True: a command waits on the network (the app sends it off the UI thread)
+    beside: Source | None = None   # a second recording on this one's clock (ReplayPair): the plots draw it
 
     def __init__(self) -> None:
         self.meta: dict = {}          # model, device, layout, preemption_mode (shown in the header)

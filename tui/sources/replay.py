@@ -31,6 +31,7 @@ class ReplaySource(Source):
     def __init__(self, header: dict, events: list[Event], *, clock: Callable[[], float] = time.monotonic,
                  speed: float = 1.0, paused: bool = False, max_events_per_poll: int = 20_000):
         super().__init__()
+        self.header = header
         self.events = events
         self.meta = {k: header.get(k) for k in ("model", "device", "layout", "preemption_mode", "kernels")
                      if header.get(k)}
@@ -44,7 +45,11 @@ class ReplaySource(Source):
         self._last_clock = clock()
         self._cursor = 0                      # index of the next event to hand out
         self._reset = False
+        # Time 0 of the recording: its first event; a what-if output's virtual clock counts from its
+        # original's first event already.
+        self.origin_t = 0.0 if header.get("whatif") else events[0].t if events else 0.0
         self.position_t = events[0].t if events else 0.0
+        self._pending_t: float | None = None  # where a time seek stands once its events are out
         # Step boundaries: the index just past each StepFinished, and its step number.
         self._finish_ends = [i + 1 for i, e in enumerate(events) if type(e) is StepFinished]
         self._finish_steps = [events[i - 1].step for i in self._finish_ends]
@@ -72,6 +77,8 @@ class ReplaySource(Source):
             out.events = self._take(self._pending_end)
             if self._cursor >= self._pending_end:
                 self._pending_end = None
+                if self._pending_t is not None:
+                    self.position_t, self._pending_t = self._pending_t, None
             return out
         if self.paused or self.at_end:
             return out
@@ -100,13 +107,31 @@ class ReplaySource(Source):
 
     def _go_to(self, end: int) -> None:
         """Make the next polls hand out events up to index `end`, restarting when it lies behind."""
-        self._pending_end = None
+        self._pending_end = self._pending_t = None
         if end < self._cursor:
             self._cursor = 0
             self._reset = True
             self.position_t = self.events[0].t if self.events else 0.0
         self._pending_end = end
         self.paused = True
+
+    def go_to_time(self, t: float) -> None:
+        """Make the next polls hand out every event up to time `t` and then stand at `t` (a pair's clock
+        drives its two recordings so); pauses this source's own playback."""
+        events, end = self.events, self._position
+        while end > 0 and events[end - 1].t > t:
+            end -= 1
+        while end < len(events) and events[end].t <= t:
+            end += 1
+        self._go_to(end)
+        self._pending_t = t
+
+    @property
+    def target_t(self) -> float:
+        """The time shown once the pending events are handed out."""
+        if self._pending_t is not None:
+            return self._pending_t
+        return self.events[self._position - 1].t if self._position else self.origin_t
 
     @property
     def _position(self) -> int:
