@@ -2,7 +2,7 @@
 
 Each engine is a `Member` that follows it on its own thread; a member whose rows changed tells the
 screen (a `RowsChanged` message, one in flight at a time), which reads the published rows and redraws
-at once, at most 30 times a second (and once a second otherwise: ages move). Commands to an
+at once, at most 20 times a second (and once a second otherwise: ages move). Commands to an
 engine wait on the network, so they run on worker threads; each answer comes back as a
 `FleetAnswered` message and is shown in that engine's row. Enter opens the selected engine's full
 dashboard over the same source (Esc comes back); the members keep following their engines meanwhile.
@@ -27,7 +27,7 @@ from .rows import FleetRow
 from .table import COLUMNS, FleetTable
 
 TICK_S = 1.0                  # with nothing new, redraw once a second (ages move)
-DRAW_GAP_S = 1 / 30           # a changed row is drawn at once, at most 30 times a second
+DRAW_GAP_S = 0.05             # a changed row is drawn at once, at most 20 times a second
 
 
 class RowsChanged(Message):
