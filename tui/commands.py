@@ -122,7 +122,9 @@ def add_top(sub) -> None:
     top.add_argument("urls", nargs="*", metavar="URL", help="a server, e.g. http://127.0.0.1:8000")
     top.add_argument("--url", action="append", default=[], dest="more_urls", metavar="URL",
                      help="a server (repeatable: two or more open the fleet table)")
-    top.add_argument("--urls-file", metavar="FILE", help="servers, one `URL [NAME]` a line, # comments")
+    top.add_argument("--urls-file", metavar="FILE",
+                     help="servers, one `URL [NAME] [key=VAR]` a line (VAR: an environment variable holding "
+                          "that server's API key), # comments")
     top.add_argument("--base-port", type=int, metavar="P",
                      help="a data-parallel vLLM: rank r serves batchtop's endpoint on P + r (with --ranks)")
     top.add_argument("--ranks", type=int, metavar="N", help="the data-parallel ranks behind --base-port")
@@ -147,20 +149,20 @@ def cmd_top(args) -> int:
     if len(found) > 1:
         from .fleet.commands import run_fleet
         return run_fleet(found, args.api_key, period_s=args.period)
-    url = found[0].url
+    url, api_key = found[0].url, found[0].key(args.api_key)
     from .sources.scrape import MetricsSource, NotAServer, detect
     try:
-        kind = detect(url, args.api_key)
+        kind = detect(url, api_key)
     except NotAServer as error:
         print(f"batchtop: {error}", file=sys.stderr)
         return 2
     from .app import BatchtopApp
     if kind == "events":
         from .sources.remote import RemoteSource
-        BatchtopApp(source_factory=lambda: RemoteSource(url, args.api_key), loading_what=url,
+        BatchtopApp(source_factory=lambda: RemoteSource(url, api_key), loading_what=url,
                     refresh_s=args.refresh).run()
         return 0
-    BatchtopApp(MetricsSource(url, kind, args.api_key, period_s=args.period), engine=args.engine).run()
+    BatchtopApp(MetricsSource(url, kind, api_key, period_s=args.period), engine=args.engine).run()
     return 0
 
 

@@ -169,3 +169,33 @@ def test_fleet_over_two_serves(pair, tmp_path):
     for name, (own, events) in engines.items():
         kinds = {type(e).__name__ for e in events}
         assert {"RequestArrived", "StepFinished", "KnobChanged"} <= kinds, name
+
+
+def test_each_engine_of_a_urls_file_uses_its_own_key(served, tmp_path, monkeypatch):
+    """A keyed engine named with `key=VAR` in the file is followed with that key; the others with
+    --api-key (here a key the keyed engine refuses)."""
+    from batchtop.tui.fleet.commands import probe
+    from batchtop.tui.fleet.targets import targets
+    config = EngineConfig(model="tiny", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN)
+    keyed = build_server(config, loaded=served[0].engine.loaded, api_key="east-key")
+    thread = ServerThread(keyed).start()
+    monkeypatch.setenv("EAST_KEY", "east-key")
+    listing = tmp_path / "engines.txt"
+    listing.write_text(f"{thread.url} east key=EAST_KEY\n{served[1].url} plain\n")
+    members = []
+    try:
+        found = targets([], str(listing))
+        assert probe(found, "wrong-key") == {"east": None, "plain": None}
+        unkeyed = targets([thread.url])
+        assert "401" in probe(unkeyed, "wrong-key")[unkeyed[0].name]
+        members = [Member(target, target.key("wrong-key")).start() for target in found]
+        deadline = time.monotonic() + 30
+        while not all(m.rows[0].state == "live" for m in members):
+            assert time.monotonic() < deadline, [m.rows for m in members]
+            time.sleep(0.05)
+        assert members[0].kind() == "batchtop serve"
+    finally:
+        for member in members:
+            member.close()
+        thread.stop()
+        keyed.loop.stop()

@@ -45,7 +45,27 @@ def test_bad_urls_file_line(tmp_path, capsys):
     listing = tmp_path / "engines.txt"
     listing.write_text("http://127.0.0.1:8000\nnot a url at all\n")
     assert main(["top", "--urls-file", str(listing)]) == 2
-    assert f"{listing}:2: want `URL [NAME]`" in capsys.readouterr().err
+    assert f"{listing}:2: want `URL [NAME] [key=VAR]`" in capsys.readouterr().err
+
+
+def test_a_line_names_the_variable_that_holds_its_key(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EAST_KEY", "k-east")
+    listing = tmp_path / "engines.txt"
+    listing.write_text("http://10.0.0.1:8000 east key=EAST_KEY\nhttp://10.0.0.2:8000 key=EAST_KEY\n"
+                       "http://10.0.0.3:8000 west\n")
+    found = targets([], str(listing))
+    assert [(t.name, t.api_key) for t in found] == [("east", "k-east"), ("10.0.0.2:8000", "k-east"),
+                                                    ("west", None)]
+    assert [t.key("default") for t in found] == ["k-east", "k-east", "default"]
+    url, want = "http://10.0.0.1:8000", "want `URL [NAME] [key=VAR]`"
+    for line, says in (("east key=NO_SUCH_VAR", "NO_SUCH_VAR is not set"),
+                       ("east key=not-a-name", "want the name of an environment variable"),
+                       ("key=EAST_KEY east", want), ("east key=EAST_KEY key=EAST_KEY", want)):
+        listing.write_text(f"{url} {line}\n")
+        assert main(["top", "--urls-file", str(listing)]) == 2
+        err = capsys.readouterr().err
+        assert f"{listing}:1: " in err and says in err, err
+        assert "k-east" not in err                       # a key is never printed
 
 
 def _steps(durations_ms, start=100.0, period=0.2, chunk=None):

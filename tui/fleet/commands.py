@@ -18,7 +18,7 @@ def probe(found: list[Target], api_key: str | None) -> dict[str, str | None]:
 
     def one(target: Target) -> str | None:
         try:
-            detect(target.url, api_key, timeout_s=PROBE_TIMEOUT_S)
+            detect(target.url, target.key(api_key), timeout_s=PROBE_TIMEOUT_S)
         except NotAServer as error:
             return str(error)
         return None
@@ -33,5 +33,5 @@ def run_fleet(found: list[Target], api_key: str | None, *, period_s: float = 1.0
         raise ValueError(f"none of the {len(found)} engines answers (first: {first})")
     from .member import Member
     from .screen import FleetApp
-    FleetApp([Member(target, api_key, period_s=period_s) for target in found]).run()
+    FleetApp([Member(target, target.key(api_key), period_s=period_s) for target in found]).run()
     return 0

@@ -2,11 +2,15 @@
 `--base-port P --ranks N [--host H]` (rank r serves batchtop's endpoint on P + r).
 
 Every engine gets a short, unique name: the one its line in the file gives, `rank R` for a
-data-parallel rank, else host:port. Bad input is a ValueError with one line that says what is wrong.
+data-parallel rank, else host:port. A line of the file may name the environment variable that holds
+that engine's API key (`URL [NAME] [key=VAR]`: the key itself stays out of the file); other engines
+use `--api-key`. Bad input is a ValueError with one line that says what is wrong.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 MAX_RANKS = 256
@@ -17,6 +21,10 @@ class Target:
     name: str
     url: str
     rank: int | None = None          # a data-parallel rank (the ranks of one vLLM run in lock step)
+    api_key: str | None = None       # its own key (a file's `key=VAR`), else the command's --api-key
+
+    def key(self, default: str | None) -> str | None:
+        return self.api_key if self.api_key is not None else default
 
 
 def check_url(url: str) -> str:
@@ -31,8 +39,8 @@ def check_url(url: str) -> str:
     return url.strip().rstrip("/")
 
 
-def read_urls_file(path: str) -> list[tuple[str, str | None]]:
-    """(url, name or None) per line of `path`: `URL [NAME]`, blank lines and `#` comments skipped."""
+def read_urls_file(path: str) -> list[Target]:
+    """A target per line of `path`: `URL [NAME] [key=VAR]`, blank lines and `#` comments skipped."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -45,15 +53,32 @@ def read_urls_file(path: str) -> list[tuple[str, str | None]]:
         words = line.split("#", 1)[0].split()
         if not words:
             continue
-        if len(words) > 2:
-            raise ValueError(f"{path}:{number}: want `URL [NAME]`, got {line.strip()!r}")
         try:
-            out.append((check_url(words[0]), words[1] if len(words) == 2 else None))
+            out.append(_target_of_line(words))
         except ValueError as error:
             raise ValueError(f"{path}:{number}: {error}") from None
     if not out:
         raise ValueError(f"the URLs file {path} names no engine")
     return out
+
+
+def _target_of_line(words: list[str]) -> Target:
+    key_words = [w for w in words[1:] if w.startswith("key=")]
+    rest = [w for w in words[1:] if not w.startswith("key=")]
+    if len(rest) > 1 or len(key_words) > 1 or (key_words and words[-1] != key_words[0]):
+        raise ValueError(f"want `URL [NAME] [key=VAR]`, got {' '.join(words)!r}")
+    url = check_url(words[0])
+    return Target(rest[0] if rest else _short(url), url, api_key=_key_from(key_words[0][4:]) if key_words
+                  else None)
+
+
+def _key_from(variable: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", variable):
+        raise ValueError(f"key={variable}: want the name of an environment variable that holds the key")
+    key = os.environ.get(variable)
+    if not key:
+        raise ValueError(f"key={variable}: the environment variable {variable} is not set")
+    return key
 
 
 def rank_targets(host: str, base_port: int, ranks: int) -> list[Target]:
@@ -68,10 +93,9 @@ def rank_targets(host: str, base_port: int, ranks: int) -> list[Target]:
 def targets(urls: list[str], urls_file: str | None = None, base_port: int | None = None,
             ranks: int | None = None, host: str = "127.0.0.1") -> list[Target]:
     """The engines named on the command line, in order; ValueError when none is, or one is named twice."""
-    named: list[tuple[str, str | None]] = [(check_url(url), None) for url in urls]
+    out = [Target(_short(url), url) for url in map(check_url, urls)]
     if urls_file:
-        named += read_urls_file(urls_file)
-    out = [Target(name or _short(url), url) for url, name in named]
+        out += read_urls_file(urls_file)
     if (base_port is None) != (ranks is None):
         raise ValueError("--base-port and --ranks go together "
                          "(a data-parallel vLLM: rank r on base port + r)")
@@ -98,5 +122,5 @@ def _unique_names(out: list[Target]) -> list[Target]:
     unique = []
     for target in out:
         n = counts[target.name] = counts.get(target.name, 0) + 1
-        unique.append(target if n == 1 else Target(f"{target.name}#{n}", target.url, target.rank))
+        unique.append(target if n == 1 else replace(target, name=f"{target.name}#{n}"))
     return unique
