@@ -25,7 +25,7 @@ from batchtop.telemetry.events import event_from_dict
 
 from .grid import Run, WhatIf, points, run_of
 from .recording import VLLM_KNOBS, Recording
-from .replay import Identity, recorded_gaps, recorded_phases, signatures
+from .replay import Identity, recorded_gaps, recorded_phases, signatures, without_gc
 from .steptime import StepTimeModel, fit_model
 from .virtual import StepShape
 
@@ -134,6 +134,7 @@ def _job(rec: Recording, step_time, changed: dict | None = None) -> dict:
             "events": True, "step_time": step_time, "step_fields": list(SHAPE_FIELDS), "requests": False}
 
 
+@without_gc
 def _events(result: dict) -> list[ev.Event]:
     return [event_from_dict(e) for e in result["events"]]
 
