@@ -171,7 +171,8 @@ def smollm2_seconds(trace, num_requests: int, max_num_seqs: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--rate", type=float, default=80.0, help="Poisson arrivals per second")
+    parser.add_argument("--rate", type=float, default=200.0,
+                        help="Poisson arrivals per second (more than the tiny model serves at 4 rows)")
     parser.add_argument("--recorded", type=int, default=4, help="max_num_seqs of the recording")
     parser.add_argument("--values", default="2,8,16,32", help="max_num_seqs values of the what-if grid")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the schedulers alternate")
