@@ -49,14 +49,15 @@ def make_trace(num_requests: int, rate: float, seed: int) -> list[TraceItem]:
     return items
 
 
-def run_real(loaded, trace: list[TraceItem], **config) -> tuple[dict, list]:
-    """The trace through the embedded engine at `config`: (header, events). No prefix caching: a
+def run_real(loaded, trace: list[TraceItem], model: str = "tiny", **config) -> tuple[dict, list]:
+    """The trace through the embedded engine (`loaded`, the `model` named) at `config`: (header, events).
+    No prefix caching: a
     recording carries token counts, not tokens, so a what-if cannot replay prefix hits (a request
     recomputed after a preemption would hit its own blocks)."""
     events: list = []
-    config = EngineConfig(model="tiny", flight_recorder_steps=0, enable_prefix_caching=False, **config)
+    config = EngineConfig(model=model, flight_recorder_steps=0, enable_prefix_caching=False, **config)
     engine = Engine(config, sink=events.append, loaded=loaded)
-    header = make_header("tiny", engine.knobs(),
+    header = make_header(model, engine.knobs(),
                          engine=engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len))
     load = TraceLoad(list(trace))
     loop = EngineLoop(engine, load=load).start()

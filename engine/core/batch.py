@@ -202,19 +202,22 @@ class PersistentBatch:
 
     def _batch_order(self, rows: list[Row]) -> tuple[list[Row], np.ndarray, np.ndarray,
                                                      np.ndarray, np.ndarray]:
-        """The rows in the layout's batch order, with their slots, starts, query lengths and samples."""
+        """The rows in the layout's batch order, with their slots, starts, query lengths and samples.
+        Every row's `kind` is read here, before the step updates its request."""
         slot_of = self.slot_of
-        slots = np.fromiter((slot_of[r.request.request_id] for r in rows), dtype=np.int64, count=len(rows))
-        query_lens = np.fromiter((r.num_tokens for r in rows), dtype=np.int64, count=len(rows))
-        order = self.order(slots,
-                           np.fromiter((r.kind == "decode" for r in rows), dtype=bool, count=len(rows)))
-        if not np.array_equal(order, slots):
-            position = {slot: i for i, slot in enumerate(slots.tolist())}
-            rows = [rows[position[s]] for s in order.tolist()]
-            slots, query_lens = order, query_lens[[position[s] for s in order.tolist()]]
-        starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
-        samples = np.fromiter((r.samples for r in rows), dtype=bool, count=len(rows))
-        return rows, slots, starts, query_lens, samples
+        slots = [slot_of[r.request.request_id] for r in rows]
+        is_decode = [r.kind == "decode" for r in rows]
+        # a step has few rows: Python lists, one array each at the end, cost less than numpy per row
+        if self.layout == "indexmap":
+            order = self.order(np.array(slots, dtype=np.int64), np.array(is_decode, dtype=bool)).tolist()
+        else:
+            order = sorted(slots)
+        if order != slots:
+            position = {slot: i for i, slot in enumerate(slots)}
+            rows = [rows[position[s]] for s in order]
+        return (rows, np.array(order, dtype=np.int64), np.array([r.start for r in rows], dtype=np.int64),
+                np.array([r.num_tokens for r in rows], dtype=np.int64),
+                np.array([r.samples for r in rows], dtype=bool))
 
     # -- per-step row state -------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -419,14 +420,22 @@ class Harness:
             if request is not None:
                 record.num_preemptions = request.num_preemptions
 
-    def result(self, with_events: bool = False) -> dict:
-        out = {
-            "steps": [dataclasses.asdict(s) for s in self.steps],
-            "requests": [dataclasses.asdict(r) for r in self.requests.values()],
-        }
+    def result(self, with_events: bool = False, step_fields: tuple[str, ...] | None = None,
+               with_requests: bool = True) -> dict:
+        """The run as JSON-ready dicts: each step's `step_fields` (None: all of StepRecord's), the
+        request records unless `with_requests` is False, and batchtop's events when asked."""
+        names = step_fields or STEP_FIELDS
+        out = {"steps": [{name: getattr(s, name) for name in names} for s in self.steps]}
+        if with_requests:
+            out["requests"] = [{name: getattr(r, name) for name in REQUEST_FIELDS}
+                               for r in self.requests.values()]
         if with_events and hasattr(self.scheduler, "batchtop_events"):
             out["events"] = [e.to_dict() for e in self.scheduler.batchtop_events.drain()]
         return out
+
+
+STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
+REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 
 
 class VirtualTime:
@@ -501,20 +510,43 @@ def recording_header(scheduler, limits: Limits) -> dict:
 
 
 def run_job(job: dict) -> dict:
-    """One run: `trace` (TraceRequest fields), `limits`, `scheduler`, `step_time`, `events`."""
+    """One run: `trace` (TraceRequest fields), `limits`, `scheduler`, `step_time`, `events`;
+    `step_fields` (the StepRecord fields each step returns, default all) and `requests` (false: no
+    request records) leave out what the caller does not read."""
     trace = trace_of(job["trace"])
     limits = Limits(**job.get("limits", {}))
+    step_fields = step_fields_of(job)
     kind = job.get("scheduler", "vllm")
     scheduler = build_scheduler(limits, kind, job.get("model"))
     harness: list[Harness] = []
     step_time = step_time_from(job.get("step_time", 0.02), lambda: harness[0])
     harness.append(Harness(scheduler, trace, step_time=step_time))
     events = job.get("events", False) and kind == "batchtop"
-    with on_virtual_time(harness[0]) if events else contextlib.nullcontext():
-        result = harness[0].run(job.get("max_steps")).result(with_events=events)
+    # the cycle collector paused for the run: it builds requests and events by the ten thousand and frees
+    # none until the end, so a collection would walk them all for nothing
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with on_virtual_time(harness[0]) if events else contextlib.nullcontext():
+            result = harness[0].run(job.get("max_steps")).result(
+                with_events=events, step_fields=step_fields, with_requests=job.get("requests", True))
+    finally:
+        if collecting:
+            gc.enable()
     if events:
         result["header"] = recording_header(scheduler, limits)
     return result
+
+
+def step_fields_of(job: dict) -> tuple[str, ...] | None:
+    names = job.get("step_fields")
+    if names is None:
+        return None
+    unknown = set(names) - set(STEP_FIELDS)
+    if unknown:
+        raise ValueError(f"step_fields: unknown field(s) {', '.join(sorted(unknown))}; "
+                         f"fields: {', '.join(STEP_FIELDS)}")
+    return tuple(names)
 
 
 def serve(lines, out) -> int:

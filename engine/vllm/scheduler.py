@@ -123,7 +123,8 @@ class BatchtopMixin:
         return int(self.vllm_config.parallel_config.data_parallel_rank)
 
     def _batchtop_blocks_of(self, request_id: str) -> int:
-        return sum(len(ids) for ids in self.kv_cache_manager.get_block_ids(request_id))
+        # the blocks themselves, counted: get_block_ids() would build a list of every block's id
+        return sum(len(group) for group in self.kv_cache_manager.get_blocks(request_id).blocks)
 
     def _batchtop_kv_usage(self) -> tuple[int, int]:
         pool = self.kv_cache_manager.block_pool

@@ -19,9 +19,12 @@ extrapolated, with how far.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
+import operator
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -41,6 +44,7 @@ LOAD_WINDOW_STEPS = 4
 LOAD_SMOOTH_STEPS = 25           # the machine's load at a step: the mean ratio of this many steps either side
 EXTRAPOLATION_MARGIN = 1.1        # a feature up to 10% beyond the recorded maximum still counts as seen
 NUM_FOLDS = 5
+OVERHEAD_PHASES = ("schedule_s", "prepare_s", "sample_s", "update_s")   # fitted linear in the rows
 MIN_STEPS = 10
 
 
@@ -48,6 +52,15 @@ def feature(shape: StepShape, name: str) -> float:
     if name == "num_tokens":
         return shape.prefill_tokens + shape.decode_rows
     return getattr(shape, name)
+
+
+def _num_tokens(shape: StepShape) -> int:
+    return shape.prefill_tokens + shape.decode_rows
+
+
+def feature_getter(name: str) -> Callable[[StepShape], float]:
+    """`feature(shape, name)` as a function of the shape alone (a step's hot path)."""
+    return _num_tokens if name == "num_tokens" else operator.attrgetter(name)
 
 
 def design(shapes: list[StepShape], names: tuple[str, ...]) -> np.ndarray:
@@ -98,7 +111,16 @@ class Law:
     heldout_mape: float
 
     def predict(self, shape: StepShape) -> float:
-        return self.coef[0] + sum(c * feature(shape, n) for c, n in zip(self.coef[1:], self.names))
+        # the terms summed left to right from 0, then the intercept: the same sum, term for term, as
+        # `coef[0] + sum(c * feature(shape, n) ...)` (a prediction must not move by a rounding)
+        total = 0
+        for c, get in self._terms:
+            total += c * get(shape)
+        return self.coef[0] + total
+
+    @functools.cached_property
+    def _terms(self) -> tuple:
+        return tuple((c, feature_getter(n)) for c, n in zip(self.coef[1:], self.names))
 
     def describe(self) -> str:
         terms = [f"{self.coef[0] * 1e3:.3g} ms"] + [f"{c * 1e6:.3g} us x {n}"
@@ -168,6 +190,8 @@ class Slowdown:
     starts: tuple[float, ...]
     load: tuple[float, ...]
     mean: float                      # the mean ratio over every step
+    # a row count the recording never ran: the factor of the nearest one it did (filled as asked)
+    _nearest_rows: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
 
     def draw(self, rng: random.Random, num_rows: int, start_s: float) -> float:
         """A step of `num_rows` rows starting at `start_s`: its rows' factor times the load of a recorded
@@ -176,7 +200,10 @@ class Slowdown:
             return 1.0
         factor = self.by_rows.get(num_rows)
         if factor is None:
-            factor = self.by_rows[min(self.by_rows, key=lambda rows: abs(rows - num_rows))]
+            factor = self._nearest_rows.get(num_rows)
+            if factor is None:
+                factor = self.by_rows[min(self.by_rows, key=lambda rows: abs(rows - num_rows))]
+                self._nearest_rows[num_rows] = factor
         if start_s > self.starts[-1]:
             return factor * self.load[rng.randrange(len(self.load))]
         k = bisect.bisect_left(self.starts, start_s)
@@ -217,9 +244,14 @@ class StepTimeModel:
     num_extrapolated: int = 0
     max_beyond: dict[str, float] = field(default_factory=dict)   # feature: the largest ratio to `seen`
     _rng: random.Random = field(init=False, repr=False)
+    _overheads: tuple = field(init=False, repr=False)          # OVERHEAD_PHASES' (intercept, per row)
+    _limits: tuple = field(init=False, repr=False)             # per seen feature: its getter and limit
 
     def __post_init__(self):
         self._rng = random.Random(self.seed)
+        self._overheads = tuple(self.overhead[phase] for phase in OVERHEAD_PHASES)
+        self._limits = tuple((name, feature_getter(name), high * EXTRAPOLATION_MARGIN, high)
+                             for name, high in self.seen.items())
 
     @property
     def gap_s(self) -> float:
@@ -230,19 +262,23 @@ class StepTimeModel:
         return self.slowdown.mean
 
     def __call__(self, shape: StepShape) -> PhaseTimes:
+        self.count(shape)
+        rows = shape.num_rows
+        (a1, b1), (a2, b2), (a3, b3), (a4, b4) = self._overheads
+        forward = max(self.forward.predict(shape), 0.0) * self.slowdown.draw(self._rng, rows, shape.start_s)
+        return PhaseTimes(a1 + b1 * rows, a2 + b2 * rows, forward, a3 + b3 * rows, a4 + b4 * rows)
+
+    def count(self, shape: StepShape) -> None:
+        """Count a predicted step, and whether (and how far) it lies beyond the recorded shapes."""
         self.num_predicted += 1
         beyond = False
-        for name, high in self.seen.items():
-            value = feature(shape, name)
-            if value > high * EXTRAPOLATION_MARGIN:
+        for name, get, limit, high in self._limits:
+            value = get(shape)
+            if value > limit:
                 beyond = True
                 ratio = value / high if high else math.inf
                 self.max_beyond[name] = max(self.max_beyond.get(name, 0.0), ratio)
         self.num_extrapolated += beyond
-        over = {phase: a + b * shape.num_rows for phase, (a, b) in self.overhead.items()}
-        forward = max(self.forward.predict(shape), 0.0) * self.slowdown.draw(self._rng, shape.num_rows,
-                                                                            shape.start_s)
-        return PhaseTimes(over["schedule_s"], over["prepare_s"], forward, over["sample_s"], over["update_s"])
 
     def fresh(self) -> StepTimeModel:
         """The same model with its counts at zero (one per what-if run)."""
@@ -256,8 +292,6 @@ class StepTimeModel:
         return (f"extrapolated: {self.num_extrapolated} of {self.num_predicted} steps beyond the recorded "
                 f"shapes ({worst})")
 
-
-OVERHEAD_PHASES = ("schedule_s", "prepare_s", "sample_s", "update_s")
 
 
 def fit_model(shapes: list[StepShape], finished: list, gaps: list[GapSample]) -> StepTimeModel:

@@ -25,7 +25,7 @@ from batchtop.telemetry.events import event_from_dict
 
 from .grid import Run, WhatIf, points, run_of
 from .recording import VLLM_KNOBS, Recording
-from .replay import Identity, recorded_gaps, recorded_phases, signatures
+from .replay import Identity, recorded_gaps, recorded_phases, signatures, without_gc
 from .steptime import StepTimeModel, fit_model
 from .virtual import StepShape
 
@@ -128,10 +128,13 @@ def law_spec(model: StepTimeModel) -> dict:
 
 
 def _job(rec: Recording, step_time, changed: dict | None = None) -> dict:
+    """A harness run of the recording's trace; of each step only its shape comes back (the replay reads
+    nothing else of the steps, and no request records: the events carry what the table needs)."""
     return {"trace": harness_trace(rec), "limits": harness_limits(rec, changed), "scheduler": "batchtop",
-            "events": True, "step_time": step_time}
+            "events": True, "step_time": step_time, "step_fields": list(SHAPE_FIELDS), "requests": False}
 
 
+@without_gc
 def _events(result: dict) -> list[ev.Event]:
     return [event_from_dict(e) for e in result["events"]]
 
@@ -165,7 +168,7 @@ def predict_through_harness(rec: Recording, model: StepTimeModel, harness: Harne
     seconds = time.perf_counter() - started
     counted = model.fresh()
     for shape in _shapes(result):
-        counted(shape)
+        counted.count(shape)
     label = label or ", ".join(f"{k}={v}" for k, v in changed.items()) or "as recorded (fitted)"
     return run_of(label, changed, _events(result), extrapolation=counted.extrapolation(), seconds=seconds)
 
