@@ -70,7 +70,8 @@ class SideEndpoint(ControlHost):
                 "max_model_len": s.max_model_len,
                 "model": model[0] if isinstance(model, (list, tuple)) else model,
                 "engine": f"vllm {vllm.__version__}", "scheduler": type(s).__name__,
-                "data_parallel_rank": s._batchtop_rank(), "slots": "mirrored", "layout": "condense",
+                "data_parallel_rank": s._batchtop_rank(), "data_parallel_lock_step": s._batchtop_lock_step(),
+                "slots": "mirrored", "layout": "condense",
                 "batching_mode": "continuous", "preemption_mode": "recompute"}
 
     def health(self) -> tuple[int, dict]:

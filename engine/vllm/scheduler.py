@@ -120,7 +120,16 @@ class BatchtopMixin:
         self.batchtop_knobs = vllm_knobs(self)         # capped at the start values, taken once
 
     def _batchtop_rank(self) -> int:
-        return int(self.vllm_config.parallel_config.data_parallel_rank)
+        """This engine core's data-parallel rank. vLLM runs the ranks of a dense model as independent
+        engines: each one's `data_parallel_rank` is reset to 0, `data_parallel_index` keeps the rank."""
+        config = self.vllm_config.parallel_config
+        return int(getattr(config, "data_parallel_index", config.data_parallel_rank))
+
+    def _batchtop_lock_step(self) -> bool:
+        """Whether this engine steps in lock step with other data-parallel ranks: vLLM keeps a
+        mixture-of-experts model's ranks in one data-parallel group (its size stays > 1); a dense model's
+        ranks are independent engines (each one's group is itself)."""
+        return int(self.vllm_config.parallel_config.data_parallel_size) > 1
 
     def _batchtop_blocks_of(self, request_id: str) -> int:
         # the blocks themselves, counted: get_block_ids() would build a list of every block's id

@@ -11,7 +11,7 @@ from batchtop.telemetry.events import PrefillChunk, RequestArrived, StepFinished
 from batchtop.telemetry.fleet_log import FleetRecorder, read_fleet_log
 from batchtop.telemetry.recorder import LogFormatError, read_log
 from batchtop.tui.cli import main
-from batchtop.tui.fleet.pace import find_pacer
+from batchtop.tui.fleet.pace import NOT_IN_LOCK_STEP, find_pacer, pace_status
 from batchtop.tui.fleet.rows import StepRecord, StepStats
 from batchtop.tui.fleet.targets import targets
 
@@ -89,6 +89,12 @@ def test_the_rank_with_the_long_prefill_chunk_sets_the_pace():
     assert find_pacer(even) is None
     apart = {"rank 0": _steps([20] * 5), "rank 1": _steps([90] * 5, start=100.1)}   # not in lock step
     assert find_pacer(apart) is None
+    assert pace_status(ranks) == pacer.text() and pace_status(even) is None
+    assert pace_status(apart) == NOT_IN_LOCK_STEP
+    assert pace_status({"rank 0": _steps([20] * 5), "rank 1": _steps([20] * 2)}) is None   # too few yet
+    # the engines' word first: independent ranks that are both busy overlap, yet set no pace
+    assert pace_status(ranks, lock_step=False) == NOT_IN_LOCK_STEP
+    assert pace_status(ranks, lock_step=True) == pacer.text() and pace_status(apart, lock_step=True) is None
 
 
 def test_step_stats_keep_each_steps_longest_chunk_and_the_token_gaps():

@@ -436,6 +436,15 @@ def gate_and_check_scenario() -> dict:
                 out[f"{name}_status"] = check.main(argv)
             out[name] = text.getvalue()
     out["port"] = port
+    # a dense model's data-parallel ranks are independent engines: vLLM resets each one's
+    # data_parallel_rank to 0 and keeps the rank in data_parallel_index (rank 1 here)
+    scheduler = build_scheduler(Limits(), "batchtop")
+    config = scheduler.vllm_config.parallel_config
+    config.data_parallel_index = 1
+    config.reconfigure_for_independent_dp_rank()
+    out["dp_rank"] = [config.data_parallel_rank, scheduler._batchtop_rank(), scheduler._batchtop_lock_step()]
+    config.data_parallel_size = 2              # a mixture-of-experts model's ranks keep their group
+    out["dp_lock_step"] = scheduler._batchtop_lock_step()
     return {"counts": out, "failures": []}
 
 

@@ -68,6 +68,7 @@ def test_the_check_says_version_class_and_whether_the_events_port_is_free(checke
     assert "--scheduler-cls batchtop.engine.vllm.scheduler.BatchtopScheduler" in free
     assert f"events port {port + 1} (rank 0): free" in free
     assert gate["taken_status"] == 1 and f"events port {port} (rank 0): taken" in taken
+
     assert taken.strip().endswith("not ready")
 
 
@@ -118,3 +119,13 @@ def test_under_the_harness_reasons_and_sums_are_vllms(checked, load):
             assert run["sum_cached"] == 2 * 48
         if load == "eviction":
             assert run["evicted_blocks"] > 0
+
+
+def test_the_rank_of_a_dense_models_data_parallel_engine_is_vllms_index(checked):
+    """vLLM runs a dense model's ranks as independent engines, each with data_parallel_rank 0: batchtop's
+    class takes the rank from data_parallel_index, so rank 1 serves its endpoint on the base port + 1
+    (reading data_parallel_rank, both ranks took the base port and rank 0's endpoint failed to start),
+    and says the ranks do not run in lock step (the fleet then names no pacer)."""
+    counts = checked["gate_and_check"]["counts"]
+    assert counts["dp_rank"] == [0, 1, False]          # rank 1, not in lock step with rank 0
+    assert counts["dp_lock_step"] is True

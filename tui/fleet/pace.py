@@ -5,7 +5,9 @@ request whose prefill chunk was the longest in it.
 Steps are aligned by time, not by number (a rank's step counter is its own): the newest steps of the
 rank that finished last are matched, on every other rank, to the step whose span overlaps them most.
 The ranks run in lock step when each of the newest `LOCKSTEP_STEPS` steps overlaps a step on every rank
-(the ranks' clocks are taken as one: the ranks of one vLLM share a host's monotonic clock).
+(the ranks' clocks are taken as one: the ranks of one vLLM share a host's monotonic clock). vLLM keeps
+the ranks of a mixture-of-experts model in lock step; it runs a dense model's ranks as independent
+engines, and the status line then says that no rank sets the others' pace.
 """
 from __future__ import annotations
 
@@ -69,3 +71,23 @@ def find_pacer(steps: Mapping[str, Sequence[StepRecord]], ratio: float = PACE_RA
         if mid > 0 and slow.duration_s >= ratio * mid:
             return Pacer(name, slow.step, slow.duration_s, mid, slow.chunk_request_id, slow.chunk_tokens)
     return None
+
+
+NOT_IN_LOCK_STEP = ("ranks not in lock step: each runs its own steps (vLLM runs a dense model's ranks as "
+                    "independent engines), so no rank sets the others' pace")
+
+
+def pace_status(steps: Mapping[str, Sequence[StepRecord]], lock_step: bool | None = None,
+                ratio: float = PACE_RATIO) -> str | None:
+    """The status line's pace: the rank that set it, or that the ranks are not in lock step; None when
+    there is nothing new to say (too few steps, or no step past `ratio` x the median). `lock_step`: what
+    the engines say (batchtop's class inside vLLM knows); None: judged from the steps' time spans alone
+    (independent ranks that are both busy overlap too, so an engine's word comes first)."""
+    if lock_step is False:
+        return NOT_IN_LOCK_STEP
+    if sum(len(records) >= LOCKSTEP_STEPS for records in steps.values()) < 2:
+        return None
+    if not aligned(steps):
+        return None if lock_step else NOT_IN_LOCK_STEP      # said to be in lock step: steps not aligned yet
+    pacer = find_pacer(steps, ratio)
+    return pacer.text() if pacer is not None else None

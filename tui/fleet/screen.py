@@ -22,7 +22,7 @@ from batchtop.telemetry.fleet_log import FleetRecorder
 
 from ..screens import ConfirmScreen, HelpScreen, PromptScreen, knob_assignment
 from .member import Member
-from .pace import find_pacer
+from .pace import pace_status
 from .rows import FleetRow
 from .table import COLUMNS, FleetTable
 
@@ -132,11 +132,13 @@ class FleetScreen(Screen):
             self.redraw()
 
     def _check_pace(self) -> None:
-        ranks = {m.name: m.steps for m in self.members if m.target.rank is not None}
+        members = [m for m in self.members if m.target.rank is not None]
+        ranks = {m.name: m.steps for m in members}
         if len(ranks) > 1:
-            pacer = find_pacer(ranks)
-            if pacer is not None:
-                self.pace = pacer.text()
+            said = {m.source.meta.get("lock_step") for m in members if m.source is not None} - {None}
+            status = pace_status(ranks, lock_step=False if False in said else True if said else None)
+            if status is not None:
+                self.pace = status
 
     def redraw(self) -> None:
         self.table.refresh()

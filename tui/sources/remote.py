@@ -86,6 +86,7 @@ class RemoteSource(Source):
         engine = state.get("engine")        # another engine's facts (batchtop's scheduler inside vLLM)
         if engine:
             self.meta.update(device=engine, slots=state.get("slots"),
+                             lock_step=state.get("data_parallel_lock_step"),
                              **{k: state[k] for k in ("batching_mode", "layout",
                                                       "preemption_mode") if k in state})
 
