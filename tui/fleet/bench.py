@@ -3,7 +3,7 @@ costs (this process's CPU seconds per wall second: the UI thread, the engines' p
 and how long a scheduler decision takes to reach the screen (a StepPlanned event's own time against the
 time the table row showing it was rendered; the engines run on this host, so their clock is ours).
 
-    python -m batchtop.tui.fleet.bench [--engines 8] [--seconds 20] [--rounds 2] [--no-write]
+    python -m batchtop.tui.fleet.bench [--engines 8,1] [--seconds 20] [--rounds 2] [--no-write]
 
 The load runs in its own process (each engine: a few requests at a time, 16 output tokens each), so it
 is not counted in the screen's CPU.
@@ -141,37 +141,54 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--streams", type=int, default=2, help="clients per engine")
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args(argv)
+def engine_counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",")]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"want engine counts like 8 or 8,1, got {text!r}")
+    return counts
+
+
+def run_fleet(num_engines: int, args) -> list[dict]:
+    """`args.rounds` measurements of the screen over `num_engines` loaded engines (started and stopped
+    here)."""
     import tempfile
     with tempfile.TemporaryDirectory() as folder:
-        servers = start_engines(args.engines, folder)
+        servers = start_engines(num_engines, folder)
         stop = multiprocessing.Event()
         loader = multiprocessing.Process(target=load, args=([s.url for s in servers], args.streams, stop))
         loader.start()
         try:
             runs = []
             for _ in range(args.rounds):
-                runs.append(asyncio.run(measure([s.url for s in servers], args.seconds)))
+                measured = asyncio.run(measure([s.url for s in servers], args.seconds))
+                runs.append({"engines": num_engines, **measured})
                 print(runs[-1], flush=True)
         finally:
             stop.set()
             loader.join(10)
             for server in servers:
                 server.stop()
+    return runs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", type=engine_counts, default=[8],
+                        help="engines to watch; several counts (8,1) are measured one after another")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=2, help="clients per engine")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    runs = [run for count in args.engines for run in run_fleet(count, args)]
+    counts = ",".join(map(str, args.engines))
     lines = [SECTION, "",
-             f"`python -m batchtop.tui.fleet.bench --engines {args.engines} --seconds {args.seconds:g} "
+             f"`python -m batchtop.tui.fleet.bench --engines {counts} --seconds {args.seconds:g} "
              f"--rounds {args.rounds}`, {time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()} "
-             f"({os.cpu_count()} cores, shared with the {args.engines} engines and their clients; the "
+             f"({os.cpu_count()} cores, shared with the engines and their clients; the "
              "load average column says what else ran): the fleet screen (headless Textual at "
              f"{SIZE[0]}x{SIZE[1]}, a changed row drawn at once, at most {1 / DRAW_GAP_S:.0f} times a "
-             f"second) over {args.engines} `batchtop serve --model tiny --max-num-seqs 4 --threads 1` "
+             f"second) over {counts} `batchtop serve --model tiny --max-num-seqs 4 --threads 1` "
              f"processes on this host, each kept busy by {args.streams} "
              "clients (16 output tokens a request, from a separate process). Redraws: the table's renders "
              "per second; CPU: this process's CPU seconds per wall second (UI thread, the engines' poll "
@@ -179,11 +196,13 @@ def main(argv=None) -> int:
              "that first shows it, split into its way to the fleet (the engine's pump, the stream, the poll "
              "thread receiving it) and the fleet's own part (folded, row built, drawn). Load avg: the "
              "host's 1-minute load average at the end of the round (2 cores).", "",
-             "| round | load avg | redraws/s | CPU s / s | decisions | decision → screen p50 / p99 / max ms "
-             "| → poll thread p50 / p99 ms | poll thread → screen p50 / p99 ms |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for i, run in enumerate(runs, 1):
-        lines.append(f"| {i} | {run['load']:.1f} | {run['hz']:.1f} | {run['cpu']:.2f} | {run['n']} | "
+             "| engines | round | load avg | redraws/s | CPU s / s | decisions "
+             "| decision → screen p50 / p99 / max ms | → poll thread p50 / p99 ms "
+             "| poll thread → screen p50 / p99 ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for i, run in enumerate(runs):
+        lines.append(f"| {run['engines']} | {i % args.rounds + 1} | {run['load']:.1f} | {run['hz']:.1f} "
+                     f"| {run['cpu']:.2f} | {run['n']} | "
                      f"{ms(run['p50'])} / "
                      f"{ms(run['p99'])} / {ms(run['max'])} | {ms(run['arrival_p50'])} / "
                      f"{ms(run['arrival_p99'])} "
