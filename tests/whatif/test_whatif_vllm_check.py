@@ -79,13 +79,17 @@ def test_the_report_renders_from_the_saved_points():
     args = SimpleNamespace(requests=40, rate=3.0, recorded=4, values="8", budget=64, num_gpu_blocks=None,
                            omp_threads=None, enforce_eager=True, repeats=1, seed=25)
     rnd = {"steps": 100, "wall_s": 20.0, "matching": 100, "identity_steps": 100, "law": "tokens", "mape": 0.1,
-           "slowdown": 1.0, "gap": "100 us", "output_tok_s": 50.0, "ttft_p50_s": 0.5, "startup_s": 60.0}
+           "slowdown": 1.0, "gap": "100 us", "output_tok_s": 50.0, "ttft_p50_s": 0.5, "startup_s": 60.0,
+           "round_s": 600.0, "client": {"duration_s": 100.0}}
     row = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "itl_p50_s": 0.03, "output_tok_s": 60.0, "preemptions": 0}
     saved = {"seconds": 600, "command": "vllm ...", "rounds": [rnd],
              "points": [{"knobs": {"max_num_seqs": 8}, "predicted": [row],
-                         "measured": [{**row, "output_tok_s": 58.0}],
+                         "measured": [{**row, "output_tok_s": 58.0, "duration_s": 100.0, "startup_s": 30.0}],
                          "compute_s": [1.5]}]}
     text = whatif_vllm.report(args, saved)
     assert text.startswith("## Predicted against measured: vLLM 0.32\n")
     assert "| 1 | 100 | 20.0 s | 100 of 100 |" in text
+    # 600 s, of which 200 s the two runs of 40 requests: 600 + 200 * (300 / 40 - 1) s for 300
+    assert "each healthy in 30-60 s" in text and "the runs 33% of it" in text
+    assert "would have taken about 0.5 h" in text
     assert "| max_num_seqs=8 | output tok/s | 60.0 | 0% | 58.0 | 0% | +3% | ok | 5% |" in text
