@@ -75,16 +75,22 @@ def error(predicted, measured) -> float | None:
     return (predicted - measured) / measured
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def check_parser(description: str, rate: float) -> argparse.ArgumentParser:
+    """The flags every predicted-against-measured check takes: the trace, the points, the rounds."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second")
+    parser.add_argument("--rate", type=float, default=rate, help="Poisson arrivals per second")
     parser.add_argument("--recorded", type=int, default=4, help="max_num_seqs of the recording")
     parser.add_argument("--values", default="2,8,16,32", help="max_num_seqs values predicted and run")
     parser.add_argument("--budget", type=int, default=64, help="a token budget predicted and run")
-    parser.add_argument("--num-kv-blocks", type=int, help="the KV pool in blocks of 16 (small: preemptions)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds: a recording, then each point once")
     parser.add_argument("--seed", type=int, default=25)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = check_parser(__doc__.splitlines()[0], rate=8.0)
+    parser.add_argument("--num-kv-blocks", type=int, help="the KV pool in blocks of 16 (small: preemptions)")
     parser.add_argument("--json", help="also write the raw points here")
     parser.add_argument("--write", action="store_true", help="write the section of docs/whatif.md")
     args = parser.parse_args(argv)

@@ -36,7 +36,7 @@ from .figures import commit, cpu_name, publish
 from .serving import VOCAB_HIGH, VOCAB_LOW, BenchRequest, OpenAIBackend, RequestResult, summarize
 from .sweep_launch import server_counters
 from .vllm_scheduler import EventFollower
-from .whatif_check import DOC, comparison_table, make_trace, recordings_table, round_summary
+from .whatif_check import DOC, check_parser, comparison_table, make_trace, recordings_table, round_summary
 
 SECTION = "## Predicted against measured: vLLM 0.32"
 PORT, EVENTS_PORT = 8180, 8181
@@ -163,16 +163,9 @@ def predict_round(rec, values: list[int], budget: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--rate", type=float, default=3.0, help="Poisson arrivals per second")
-    parser.add_argument("--recorded", type=int, default=4, help="max_num_seqs of the recording")
-    parser.add_argument("--values", default="2,8,16,32", help="max_num_seqs values predicted and run")
-    parser.add_argument("--budget", type=int, default=64, help="a token budget predicted and run")
+    parser = check_parser(__doc__.splitlines()[0], rate=3.0)
     parser.add_argument("--num-gpu-blocks", type=int, help="vLLM's KV pool in blocks, its null block "
                                                            "included (small: preemptions)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds: a recording, then each point once")
-    parser.add_argument("--seed", type=int, default=25)
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                         help="no torch.compile: a start in a third of the time")
     parser.add_argument("--omp-threads", type=int, help="OMP_NUM_THREADS of vLLM's worker (default: vLLM's)")
