@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from command_helpers import error_lines
 from tui_helpers import FIXTURE_LOG, footer_drawn, screen_text
 
 from batchtop.telemetry.events import RequestArrived
@@ -182,9 +183,9 @@ async def test_pause_speed_step_and_seek_act_on_both(whatif_out):
 
 def fails(capsys, *argv) -> str:
     assert main(["replay", *map(str, argv)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
 
 
 def test_bad_second_files_are_one_line_and_exit_2(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from command_helpers import error_lines
 
 from batchtop.telemetry.events import PrefillChunk, RequestArrived, StepFinished, StepPlanned
 from batchtop.telemetry.fleet_log import FleetRecorder, read_fleet_log
@@ -35,10 +36,8 @@ def test_targets_from_urls_file_and_ranks(tmp_path):
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert main(argv) == 2
-    # (an engine another test left in this process may add its flight recorder's line)
-    lines = capsys.readouterr().err.splitlines()
-    errors = [line for line in lines if "error" in line and "flight" not in line]
-    assert len(errors) == 1 and says in errors[0]
+    errors = error_lines(capsys.readouterr().err)
+    assert len(errors) == 1 and says in errors[0], errors
 
 
 def test_bad_urls_file_line(tmp_path, capsys):

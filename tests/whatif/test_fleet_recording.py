@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from command_helpers import error_lines
 from whatif_helpers import record_engine, write_recording
 
 from batchtop.telemetry.fleet_log import FleetRecorder
@@ -38,8 +39,7 @@ def out_of(capsys, *argv) -> str:
 def fails(capsys, *argv) -> str:
     assert main(list(argv)) == 2
     err = capsys.readouterr().err
-    # (an engine another test left in this process may add its flight recorder's line)
-    lines = [line for line in err.splitlines() if "flight" not in line]
+    lines = error_lines(err)
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
 

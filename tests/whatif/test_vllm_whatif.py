@@ -9,6 +9,7 @@ import json
 import random
 
 import pytest
+from command_helpers import error_lines
 from whatif_helpers import linear_law, synthetic_recording
 
 from batchtop.engine.whatif import vllm_replay
@@ -105,8 +106,8 @@ def inside_vllm(tmp_path):
 def test_a_vllm_recording_without_its_environment_is_refused_in_one_line(inside_vllm, monkeypatch, capsys):
     monkeypatch.setitem(vllm_replay.VLLM_ENVS, "0.32", ".venv-vllm-not-here")
     assert main(["whatif", inside_vllm("vllm 0.32.1"), "--set", "max_num_seqs=2"]) == 2
-    err = capsys.readouterr().err
-    assert "vLLM 0.32" in err and ".venv-vllm-not-here is not installed" in err and err.count("\n") == 1
+    (err,) = error_lines(capsys.readouterr().err)
+    assert "vLLM 0.32" in err and ".venv-vllm-not-here is not installed" in err
     assert main(["whatif", inside_vllm("vllm 0.29.0"), "--set", "max_num_seqs=2"]) == 2
     assert "replays vLLM 0.32 and 0.33 only" in capsys.readouterr().err
     assert main(["whatif", inside_vllm("vllm 0.32.1"), "--set", "batching_mode=static"]) == 2

@@ -2,6 +2,7 @@
 import dataclasses
 
 import pytest
+from command_helpers import error_lines
 from whatif_helpers import linear_law, synthetic_recording, write_recording
 
 from batchtop.engine.whatif.recording import read_recording
@@ -22,9 +23,7 @@ def good(tmp_path, rec):
 
 def fails(capsys, *argv) -> str:
     assert main(list(argv)) == 2
-    # (an engine another test left in this process may add its flight recorder's line)
-    err = capsys.readouterr().err.strip()
-    lines = [line for line in err.splitlines() if not line.startswith("batchtop: flight recorder")]
+    lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "Traceback" not in lines[0], lines
     return lines[0]
 
