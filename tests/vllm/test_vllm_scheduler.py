@@ -227,7 +227,22 @@ def test_a_late_subscriber_gets_a_snapshot_equal_to_the_events_folded_from_the_s
     events_url = vllm_server[1]
 
     async def load_and_join():
-        task = asyncio.ensure_future(_completions(MAX_NUM_SEQS, 80, ignore_eos=True))
+        # load until the late client has its snapshot: vLLM's scheduler publishes it before its next step,
+        # and an idle vLLM takes none (a fast machine could serve a single burst before the join). Each
+        # client sends one request after another, of its own length, so requests are running at any step.
+        joined = asyncio.Event()
+
+        async def clients():
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", max_retries=0)
+
+            async def one_after_another(i: int):
+                while not joined.is_set():
+                    await client.completions.create(model="smollm2", prompt=PROMPTS[i % len(PROMPTS)],
+                                                    max_tokens=40 + 9 * i, temperature=0,
+                                                    extra_body={"ignore_eos": True}, timeout=600)
+            async with client:
+                await asyncio.gather(*[one_after_another(i) for i in range(MAX_NUM_SEQS)])
+        task = asyncio.ensure_future(clients())
         await asyncio.sleep(0)
         started_steps = len([e for e in follower.collect() if isinstance(e, ev.StepFinished)])
         await asyncio.to_thread(follower.wait_for, lambda evs: sum(isinstance(e, ev.StepFinished)
@@ -237,6 +252,7 @@ def test_a_late_subscriber_gets_a_snapshot_equal_to_the_events_folded_from_the_s
             await asyncio.to_thread(late.wait_for,
                                     lambda evs: any(isinstance(e, ev.EngineSnapshot) for e in evs))
         finally:
+            joined.set()
             late.close()
         await task
 
