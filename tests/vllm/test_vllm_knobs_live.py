@@ -85,13 +85,16 @@ def test_max_num_seqs_lowered_under_load_binds_without_preempting_and_raised_cli
                     (time.monotonic(), await asyncio.to_thread(metric, base_url, "vllm:num_requests_running"))
                 )
                 await asyncio.sleep(0.2)
-            # a fast machine may have served every request by now: a few more wait behind the cap of 2
-            for i in range(20, 24):
-                tasks.append(asyncio.ensure_future(_completion(client, f"Request {i}: tell a story.", 48)))
-            await asyncio.sleep(0.5)
-            marks["raised"] = time.monotonic()
-            await asyncio.to_thread(turn, events_url, "max_num_seqs", 8)
-            return await asyncio.gather(*tasks)
+            # a fast machine may have served every request by now: a few more wait behind the cap of 2, on
+            # new connections (the server closes a connection idle for 5 s; reusing one races that)
+            late = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+            async with late:
+                for i in range(20, 24):
+                    tasks.append(asyncio.ensure_future(_completion(late, f"Request {i}: tell a story.", 48)))
+                await asyncio.sleep(0.5)
+                marks["raised"] = time.monotonic()
+                await asyncio.to_thread(turn, events_url, "max_num_seqs", 8)
+                return await asyncio.gather(*tasks)
 
     try:
         responses = asyncio.run(load_and_turn())
