@@ -22,7 +22,7 @@ from batchtop.tui.sources.scrape import MetricsSource, detect
 sys.path.insert(0, str(Path(__file__).parents[1] / "tui"))
 from tui_helpers import screen_text  # noqa: E402
 
-NUM_REQUESTS, MAX_TOKENS = 8, 16
+NUM_REQUESTS, MAX_TOKENS = 8, 48        # long enough that a fast machine is caught with requests waiting
 MAX_BUSY_CHECKS = 3       # screens compared while requests wait (drawing one costs the CPUs vLLM runs on)
 ENGINE = "smollm2 engine=0"
 

@@ -128,6 +128,11 @@ def test_max_num_seqs_lowered_live_binds_and_a_value_above_the_start_is_refused(
     refused = set_knob(events_url, "max_num_seqs", MAX_NUM_SEQS + 1)
     assert refused.status_code == 400 and "started with" in refused.json()["error"]["message"]
     assert httpx.get(f"{events_url}/v1/knobs", headers=AUTH).json()["knobs"]["max_num_seqs"] == MAX_NUM_SEQS
+    base_url = vllm_server[0].url
+    deadline = time.monotonic() + 120        # nothing left running by another test: the cap binds new rows
+    while time.monotonic() < deadline and (metric(base_url, "vllm:num_requests_running")
+                                           or metric(base_url, "vllm:num_requests_waiting")):
+        time.sleep(0.2)
     try:
         accepted = set_knob(events_url, "max_num_seqs", 2)
         assert accepted.status_code == 200, accepted.text
