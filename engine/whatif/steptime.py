@@ -48,25 +48,20 @@ OVERHEAD_PHASES = ("schedule_s", "prepare_s", "sample_s", "update_s")   # fitted
 MIN_STEPS = 10
 
 
-def feature(shape: StepShape, name: str) -> float:
-    if name == "num_tokens":
-        return shape.prefill_tokens + shape.decode_rows
-    return getattr(shape, name)
-
-
 def _num_tokens(shape: StepShape) -> int:
     return shape.prefill_tokens + shape.decode_rows
 
 
 def feature_getter(name: str) -> Callable[[StepShape], float]:
-    """`feature(shape, name)` as a function of the shape alone (a step's hot path)."""
+    """The feature `name` as a function of the shape (looked up once: a step's hot path calls it)."""
     return _num_tokens if name == "num_tokens" else operator.attrgetter(name)
 
 
 def design(shapes: list[StepShape], names: tuple[str, ...]) -> np.ndarray:
     x = np.ones((len(shapes), len(names) + 1))
     for j, name in enumerate(names):
-        x[:, j + 1] = [feature(s, name) for s in shapes]
+        get = feature_getter(name)
+        x[:, j + 1] = [get(s) for s in shapes]
     return x
 
 
@@ -112,7 +107,7 @@ class Law:
 
     def predict(self, shape: StepShape) -> float:
         # the terms summed left to right from 0, then the intercept: the same sum, term for term, as
-        # `coef[0] + sum(c * feature(shape, n) ...)` (a prediction must not move by a rounding)
+        # `coef[0] + sum(c * get(shape) ...)` (a prediction must not move by a rounding)
         total = 0
         for c, get in self._terms:
             total += c * get(shape)
@@ -303,7 +298,7 @@ def fit_model(shapes: list[StepShape], finished: list, gaps: list[GapSample]) ->
     for phase in OVERHEAD_PHASES:
         a, b = nonnegative_lstsq(rows, np.asarray([getattr(e, phase) for e in finished]))
         overhead[phase] = (float(a), float(b))
-    seen = {name: float(max(feature(s, name) for s in shapes))
+    seen = {name: float(max(map(feature_getter(name), shapes)))
             for name in ("num_rows", "prefill_tokens", "decode_rows", "context_tokens")}
     slowdown = fit_slowdown(shapes, [e.forward_s for e in finished], forward)
     return StepTimeModel(forward, overhead, fit_gap(gaps), slowdown, seen)

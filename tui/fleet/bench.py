@@ -143,7 +143,7 @@ def ms(seconds: float) -> str:
 
 def engine_counts(text: str) -> list[int]:
     counts = [int(part) for part in text.split(",")]
-    if not counts or min(counts) < 1:
+    if min(counts) < 1:
         raise argparse.ArgumentTypeError(f"want engine counts like 8 or 8,1, got {text!r}")
     return counts
 

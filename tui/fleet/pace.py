@@ -65,7 +65,11 @@ def aligned(steps: Mapping[str, Sequence[StepRecord]], depth: int = LOCKSTEP_STE
 
 def find_pacer(steps: Mapping[str, Sequence[StepRecord]], ratio: float = PACE_RATIO) -> Pacer | None:
     """The newest aligned step that took >= `ratio` x the ranks' median, or None."""
-    for group in aligned(steps):
+    return _pacer(aligned(steps), ratio)
+
+
+def _pacer(groups: list[dict], ratio: float) -> Pacer | None:
+    for group in groups:
         mid = median(record.duration_s for record in group.values())
         name, slow = max(group.items(), key=lambda item: item[1].duration_s)
         if mid > 0 and slow.duration_s >= ratio * mid:
@@ -87,7 +91,8 @@ def pace_status(steps: Mapping[str, Sequence[StepRecord]], lock_step: bool | Non
         return NOT_IN_LOCK_STEP
     if sum(len(records) >= LOCKSTEP_STEPS for records in steps.values()) < 2:
         return None
-    if not aligned(steps):
+    groups = aligned(steps)
+    if not groups:
         return None if lock_step else NOT_IN_LOCK_STEP      # said to be in lock step: steps not aligned yet
-    pacer = find_pacer(steps, ratio)
+    pacer = _pacer(groups, ratio)
     return pacer.text() if pacer is not None else None

@@ -72,10 +72,8 @@ class ReplayPair(Source):
         clock = self._clock()
         elapsed, self._last_clock = clock - self._last_clock, clock
         if not self.paused and not self.at_end:
-            self.elapsed_s = min(self.duration_s, self.elapsed_s + elapsed * self.speed)
+            self._stand_at(min(self.duration_s, self.elapsed_s + elapsed * self.speed))
             self.paused = self.at_end
-            self.main.go_to_time(self.main.origin_t + self.elapsed_s)
-            self.beside.go_to_time(self.beside.origin_t + self.elapsed_s)
         return self.main.poll()
 
     @property
