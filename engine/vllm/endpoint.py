@@ -19,6 +19,7 @@ import time
 import vllm
 from fastapi import FastAPI
 from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.protocol.errors import ApiError
@@ -32,6 +33,17 @@ from .control import apply_knob, knob_values
 
 EVENT_HISTORY = 100_000
 logger = init_logger(f"vllm.{__name__}")      # through vLLM's log handler
+
+
+def engine_setup(scheduler) -> dict:
+    """What a what-if of a recording of this engine needs beyond its knobs: the harness's `Limits` of
+    the engine (engine/vllm/harness.py; the pool with vLLM's null block). A recording's header carries
+    it as `engine`."""
+    return {"num_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+            "block_size": scheduler.block_size, "max_model_len": scheduler.max_model_len,
+            "enable_prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
+            "policy": str(scheduler.scheduler_config.policy),
+            "async_scheduling": isinstance(scheduler, AsyncScheduler)}
 
 
 class SideEndpoint(ControlHost):
@@ -72,7 +84,8 @@ class SideEndpoint(ControlHost):
                 "engine": f"vllm {vllm.__version__}", "scheduler": type(s).__name__,
                 "data_parallel_rank": s._batchtop_rank(), "data_parallel_lock_step": s._batchtop_lock_step(),
                 "slots": "mirrored", "layout": "condense",
-                "batching_mode": "continuous", "preemption_mode": "recompute"}
+                "batching_mode": "continuous", "preemption_mode": "recompute",
+                "engine_setup": engine_setup(s)}
 
     def health(self) -> tuple[int, dict]:
         status, body = super().health()

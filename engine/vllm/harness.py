@@ -17,8 +17,11 @@ it follows vLLM's engine core (a batch queue of two): step N+1 is scheduled befo
 JSON in: a trace is a list of requests (`TraceRequest`'s fields: `arrival_s`, `prompt_token_ids` or
 `num_prompt_tokens`, `output_len`, `max_tokens`, `priority`, `abort_s`); limits are `Limits`'
 fields. A step time is a constant, a table (`{"table_s": [...]}`: the k-th step that schedules
-tokens lasts `table_s[k]`) or a linear law over the step's shape (`{"law": {feature: seconds per
-unit}, "intercept_s": a, "scale": s}`, features of `StepRecord`: what `batchtop whatif` fits).
+tokens lasts `table_s[k]`, and starts no earlier than `starts_s[k]` where given: a recording's
+own timeline) or a linear law over the step's shape, what `batchtop whatif` fits: the
+forward `{"law": {feature: seconds per unit}, "intercept_s": a}` (features of `StepRecord`) times a
+constant `"scale"` or a factor drawn per step from a recorded `"slowdown"` (telemetry/slowdown.py's
+fields, with `"seed"`), plus an unscaled `"overhead": {"intercept_s": b, feature: seconds per unit}`.
 JSON out: `steps` (one `StepRecord` each), `requests` (one `RequestRecord` each) and, under
 batchtop's class with `--events`, the events as docs/events.md's JSON, stamped with the virtual
 clock (their times and step timings are the virtual ones, as a recording of the run would read),
@@ -36,6 +39,7 @@ import dataclasses
 import gc
 import json
 import os
+import random
 import sys
 import tempfile
 import zlib
@@ -53,6 +57,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+
+from batchtop.telemetry.slowdown import Slowdown
 
 SHAPE_FEATURES = ("num_rows", "prefill_tokens", "decode_rows", "context_tokens", "prefill_attention")
 STOP_TOKEN = 2  # the made-up runner's token that ends a request before max_tokens
@@ -225,6 +231,7 @@ class Harness:
         *,
         step_time: Callable[[object], float] = lambda output: 0.02,
         between_steps: Callable[[Harness], None] | None = None,
+        step_starts: list[float] | None = None,
     ):
         self.scheduler = scheduler
         self.trace = sorted(
@@ -232,6 +239,8 @@ class Harness:
         )
         self.step_time = step_time
         self.between_steps = between_steps
+        self.step_starts = step_starts  # the k-th step that schedules tokens starts no earlier than [k]
+        self._num_scheduled = 0
         self.is_async = isinstance(scheduler, AsyncScheduler)
         self.clock_s = 0.0
         self.steps: list[StepRecord] = []
@@ -354,6 +363,8 @@ class Harness:
         s = self.scheduler
         idle = 0
         while (max_steps is None or len(self.steps) < max_steps) and idle < MAX_IDLE_SCHEDULES:
+            if self.step_starts is not None and self._num_scheduled < len(self.step_starts):
+                self.clock_s = max(self.clock_s, self.step_starts[self._num_scheduled])
             self._arrive_and_abort()
             if not s.has_requests() and not self.in_flight:
                 next_s = self._next_event_s()
@@ -368,6 +379,7 @@ class Harness:
                 idle = 0 if output.total_num_scheduled_tokens else idle + 1
                 if output.total_num_scheduled_tokens:
                     self.shape_of(output)
+                    self._num_scheduled += 1
                 self.in_flight.append((output, self.runner_output(output), self.clock_s))
                 if len(self.in_flight) < depth and output.total_num_scheduled_tokens > 0:
                     continue
@@ -468,8 +480,7 @@ def on_virtual_time(harness: Harness):
 
 
 def step_time_from(spec, harness_of: Callable[[], Harness]) -> Callable[[object], float]:
-    """A step-time function from a constant, `{"table_s": [...]}` or `{"law": ..., "intercept_s": ...,
-    "scale": ...}` (see the module's text)."""
+    """A step-time function from a constant, `{"table_s": [...]}` or a law (see the module's text)."""
     if isinstance(spec, (int, float)):
         return lambda output: float(spec)
     if "table_s" in spec:
@@ -481,17 +492,30 @@ def step_time_from(spec, harness_of: Callable[[], Harness]) -> Callable[[object]
             return float(table[k]) if k < len(table) else float(table[-1])
 
         return from_table
-    law, unknown = dict(spec["law"]), set(spec["law"]) - set(SHAPE_FEATURES)
+    law = _law_terms(spec["law"])
+    intercept, scale = float(spec.get("intercept_s", 0.0)), float(spec.get("scale", 1.0))
+    overhead = dict(spec.get("overhead", {}))
+    overhead_intercept = float(overhead.pop("intercept_s", 0.0))
+    overhead_terms = _law_terms(overhead)
+    slowdown = Slowdown.from_dict(spec["slowdown"]) if "slowdown" in spec else None
+    rng = random.Random(spec.get("seed", 0))
+
+    def from_law(output) -> float:
+        harness = harness_of()
+        shape = harness.shape_of(output)
+        forward = intercept + sum(c * shape[name] for name, c in law)
+        factor = scale if slowdown is None else slowdown.draw(rng, shape["num_rows"], harness.clock_s)
+        return forward * factor + overhead_intercept + sum(c * shape[name] for name, c in overhead_terms)
+
+    return from_law
+
+
+def _law_terms(law: dict) -> list[tuple[str, float]]:
+    unknown = set(law) - set(SHAPE_FEATURES)
     if unknown:
         raise ValueError(f"step-time law: unknown feature(s) {', '.join(sorted(unknown))}; "
                          f"features: {', '.join(SHAPE_FEATURES)}")
-    intercept, scale = float(spec.get("intercept_s", 0.0)), float(spec.get("scale", 1.0))
-
-    def from_law(output) -> float:
-        shape = harness_of().shape_of(output)
-        return scale * (intercept + sum(c * shape[name] for name, c in law.items()))
-
-    return from_law
+    return [(name, float(c)) for name, c in law.items()]
 
 
 def recording_header(scheduler, limits: Limits) -> dict:
@@ -519,8 +543,10 @@ def run_job(job: dict) -> dict:
     kind = job.get("scheduler", "vllm")
     scheduler = build_scheduler(limits, kind, job.get("model"))
     harness: list[Harness] = []
-    step_time = step_time_from(job.get("step_time", 0.02), lambda: harness[0])
-    harness.append(Harness(scheduler, trace, step_time=step_time))
+    spec = job.get("step_time", 0.02)
+    step_time = step_time_from(spec, lambda: harness[0])
+    starts = spec.get("starts_s") if isinstance(spec, dict) else None
+    harness.append(Harness(scheduler, trace, step_time=step_time, step_starts=starts))
     events = job.get("events", False) and kind == "batchtop"
     # the cycle collector paused for the run: it builds requests and events by the ten thousand and frees
     # none until the end, so a collection would walk them all for nothing

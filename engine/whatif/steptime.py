@@ -18,7 +18,6 @@ extrapolated, with how far.
 """
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 import operator
@@ -27,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+
+from batchtop.telemetry.slowdown import Slowdown
 
 from .virtual import PhaseTimes, StepShape
 
@@ -38,9 +39,6 @@ LAWS: dict[str, tuple[str, ...]] = {
     "prefill+decode+context+attention": ("prefill_tokens", "decode_rows", "context_tokens",
                                          "prefill_attention"),
 }
-# a step's load is drawn from this many recorded steps either side: few, since a wider window borrows
-# fast steps into the start of a slow stretch (more time) than slow ones into a fast one
-LOAD_WINDOW_STEPS = 4
 LOAD_SMOOTH_STEPS = 25           # the machine's load at a step: the mean ratio of this many steps either side
 EXTRAPOLATION_MARGIN = 1.1        # a feature up to 10% beyond the recorded maximum still counts as seen
 NUM_FOLDS = 5
@@ -174,36 +172,6 @@ def fit_gap(samples: list[GapSample]) -> GapLaw:
     y = np.asarray([max(s.gap_s, 0.0) for s in samples])
     a, per_arrival, per_retirement = nonnegative_lstsq(x, y)
     return GapLaw((float(a), float(per_arrival), float(per_retirement)), float(y.mean()))
-
-
-@dataclass(frozen=True)
-class Slowdown:
-    """The recorded forward time over the law's: `by_rows[n]` the factor of n rows over the machine's
-    load, `load[k]` the rest of recorded step k's ratio (its ratio / `by_rows` of its rows), the
-    steps in the order of their `starts` (seconds since the recording's first event)."""
-    by_rows: dict[int, float]
-    starts: tuple[float, ...]
-    load: tuple[float, ...]
-    mean: float                      # the mean ratio over every step
-    # a row count the recording never ran: the factor of the nearest one it did (filled as asked)
-    _nearest_rows: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
-
-    def draw(self, rng: random.Random, num_rows: int, start_s: float) -> float:
-        """A step of `num_rows` rows starting at `start_s`: its rows' factor times the load of a recorded
-        step near that moment (any recorded step past the recording's end)."""
-        if not self.load:
-            return 1.0
-        factor = self.by_rows.get(num_rows)
-        if factor is None:
-            factor = self._nearest_rows.get(num_rows)
-            if factor is None:
-                factor = self.by_rows[min(self.by_rows, key=lambda rows: abs(rows - num_rows))]
-                self._nearest_rows[num_rows] = factor
-        if start_s > self.starts[-1]:
-            return factor * self.load[rng.randrange(len(self.load))]
-        k = bisect.bisect_left(self.starts, start_s)
-        lo, hi = max(0, k - LOAD_WINDOW_STEPS), min(len(self.load), k + LOAD_WINDOW_STEPS)
-        return factor * self.load[rng.randrange(lo, hi)]
 
 
 def fit_slowdown(shapes: list[StepShape], measured: list[float], law: Law) -> Slowdown:

@@ -6,14 +6,15 @@ Every run is batchtop's class inside vLLM's `Scheduler` on the harness's virtual
 the events a live vLLM gives. The identity replay takes each recorded step's time (a table, the
 k-th step the k-th recorded time): the same scheduler must then plan the recorded step at every
 step (`signatures`). The step-time law is fitted as for batchtop's recordings (steptime.py), on the
-shapes the identity replay computed, and handed to the harness as its coefficients (the overheads'
-intercepts, the mean gap between steps and the mean recorded slowdown folded in: the harness steps
-back to back and draws nothing at random). Prompts are made-up ids of the recorded lengths: a live
-recording carries no token ids, so a replay sees no prefix hits; the recording's own knob changes
-are not replayed (each run keeps its knobs throughout).
+shapes the identity replay computed, and handed to the harness as its coefficients with the recorded
+slowdown: each predicted step's forward is drawn as in batchtop's what-if (telemetry/slowdown.py,
+the same seed), the overheads and the mean gap between steps added. Prompts are made-up ids of the
+recorded lengths: a live recording carries no token ids, so a replay sees no prefix hits; the
+recording's own knob changes are not replayed (each run keeps its knobs throughout).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import tempfile
@@ -85,11 +86,13 @@ class HarnessProcess:
         self.close()
 
 
-def harness_trace(rec: Recording) -> list[dict]:
+def harness_trace(rec: Recording, as_scheduled: bool = False) -> list[dict]:
     """The recording's requests as the harness's TraceRequest fields. A request arrives when vLLM's
     `Request` says (its FirstToken's time less its TTFT: the API server took it before the scheduler
-    saw it), else when the scheduler saw it (RequestArrived)."""
-    arrived = {e.request_id: e.t - e.ttft_s - rec.t0 for e in rec.events if isinstance(e, ev.FirstToken)}
+    saw it), else, or `as_scheduled` (the identity replay, on the recording's own timeline), when the
+    scheduler saw it (RequestArrived)."""
+    arrived = {} if as_scheduled else {e.request_id: e.t - e.ttft_s - rec.t0 for e in rec.events
+                                       if isinstance(e, ev.FirstToken)}
     trace = []
     for r in rec.requests:
         arrival_s = min(arrived.get(r.request_id, r.arrival_s), r.arrival_s)
@@ -107,31 +110,36 @@ def harness_limits(rec: Recording, changed: dict | None = None) -> dict:
     return {**limits, **(changed or {})}
 
 
-def recorded_table(rec: Recording) -> list[float]:
-    """Each recorded step's time, in step order: what the identity replay's k-th step lasts."""
-    return [recorded_phases(e).total_s for e in sorted(rec.steps, key=lambda e: e.step)]
+def recorded_table(rec: Recording) -> dict:
+    """Each recorded step's time and start, in step order: the identity replay's k-th step lasts the
+    k-th time and starts no earlier than the k-th start (the loop's own time between steps, and the
+    idle waits, where they were)."""
+    finished = sorted(rec.steps, key=lambda e: e.step)
+    times = [recorded_phases(e).total_s for e in finished]
+    return {"table_s": times, "starts_s": [e.t - rec.t0 - total for e, total in zip(finished, times)]}
 
 
 def law_spec(model: StepTimeModel) -> dict:
-    """The fitted model as the harness's step-time law: the forward law times the mean slowdown, plus
-    the overheads' per-row terms, their intercepts and the mean gap."""
-    law, scale = model.forward, model.mean_slowdown
+    """The fitted model as the harness's step-time law: the forward law times a factor drawn per step
+    from the recorded slowdown (the same draw as batchtop's what-if), plus the overheads (their
+    intercepts and per-row terms) and the mean gap."""
+    law = model.forward
     coef = dict.fromkeys(SHAPE_FIELDS, 0.0)
     for name, c in zip(law.names, law.coef[1:]):
         for feature in (("prefill_tokens", "decode_rows") if name == "num_tokens" else (name,)):
-            coef[feature] += c * scale
-    intercept = law.coef[0] * scale + model.gap_s
-    for a, b in model.overhead.values():
-        intercept += a
-        coef["num_rows"] += b
-    return {"law": coef, "intercept_s": intercept}
+            coef[feature] += c
+    overhead = {"intercept_s": model.gap_s + sum(a for a, _ in model.overhead.values()),
+                "num_rows": sum(b for _, b in model.overhead.values())}
+    return {"law": coef, "intercept_s": law.coef[0], "slowdown": model.slowdown.to_dict(),
+            "seed": model.seed, "overhead": overhead}
 
 
-def _job(rec: Recording, step_time, changed: dict | None = None) -> dict:
+def _job(rec: Recording, step_time, changed: dict | None = None, as_scheduled: bool = False) -> dict:
     """A harness run of the recording's trace; of each step only its shape comes back (the replay reads
     nothing else of the steps, and no request records: the events carry what the table needs)."""
-    return {"trace": harness_trace(rec), "limits": harness_limits(rec, changed), "scheduler": "batchtop",
-            "events": True, "step_time": step_time, "step_fields": list(SHAPE_FIELDS), "requests": False}
+    return {"trace": harness_trace(rec, as_scheduled), "limits": harness_limits(rec, changed),
+            "scheduler": "batchtop", "events": True, "step_time": step_time,
+            "step_fields": list(SHAPE_FIELDS), "requests": False}
 
 
 @without_gc
@@ -145,7 +153,7 @@ def _shapes(result: dict) -> list[StepShape]:
 
 def identity_through_harness(rec: Recording, harness: HarnessProcess) -> tuple[Identity, list[StepShape]]:
     """The recording's trace through vLLM's scheduler on the recorded step times, compared step by step."""
-    result = harness.run(_job(rec, {"table_s": recorded_table(rec)}))
+    result = harness.run(_job(rec, recorded_table(rec), as_scheduled=True))
     events = _events(result)
     recorded, replayed = signatures(rec.events), signatures(events)
     steps = sorted(recorded)
@@ -155,9 +163,11 @@ def identity_through_harness(rec: Recording, harness: HarnessProcess) -> tuple[I
 
 
 def fit_through_harness(rec: Recording, shapes: list[StepShape]) -> StepTimeModel:
-    """steptime.py's fit on the identity replay's shapes, paired with the recorded steps in order."""
+    """steptime.py's fit on the identity replay's shapes, paired with the recorded steps in order, each
+    shape starting where its recorded step started (the machine's load then)."""
     finished = sorted(rec.steps, key=lambda e: e.step)
-    pairs = list(zip(shapes, finished))
+    pairs = [(dataclasses.replace(shape, start_s=e.t - rec.t0 - recorded_phases(e).total_s), e)
+             for shape, e in zip(shapes, finished)]
     return fit_model([s for s, _ in pairs], [e for _, e in pairs], recorded_gaps(rec))
 
 

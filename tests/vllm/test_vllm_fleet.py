@@ -1,7 +1,8 @@
 """The fleet screen over three engines at once: two `batchtop serve --model tiny` with different knobs
 and the session's real vLLM with batchtop's class (its side endpoint behind an API key). Rows against
 each engine's /metrics, a knob to one engine and to all (vLLM's limit respected, each knob read back
-over GET /v1/knobs), Enter/Esc on the vLLM row."""
+over GET /v1/knobs), a recording of the three that replays each with its engine's own set-up, Enter/Esc
+on the vLLM row."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,10 @@ from vllm_helpers import AUTH, EVENTS_API_KEY
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.server.app import ServerThread, build_server
+from batchtop.engine.whatif.recording import read_recording
+from batchtop.telemetry import events as ev
 from batchtop.telemetry.exposition import parse_exposition
+from batchtop.telemetry.fleet_log import read_fleet_log
 from batchtop.tui.dashboard import DashboardScreen
 from batchtop.tui.fleet.member import Member
 from batchtop.tui.fleet.screen import FleetApp
@@ -58,13 +62,27 @@ async def step(url):
     assert answer.status_code == 200, answer.text
 
 
+async def complete(url):
+    async with httpx.AsyncClient(timeout=60) as client:
+        answer = await client.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello",
+                                                                  "max_tokens": 4})
+    assert answer.status_code == 200, answer.text
+
+
+def retired_in(path: str) -> set[str]:
+    """The engines of a fleet recording with a finished request in it so far."""
+    _, engines = read_fleet_log(path)
+    return {name for name, (_, events) in engines.items()
+            if any(isinstance(e, ev.RequestRetired) for e in events)}
+
+
 async def answer(pilot, app, key, text):
     await pilot.press(key)
     app.screen.query_one(Input).value = text
     await pilot.press("enter")
 
 
-def test_fleet_over_two_serves_and_a_real_vllm(vllm_server, serves):
+def test_fleet_over_two_serves_and_a_real_vllm(vllm_server, serves, tmp_path):
     launched, events_url = vllm_server
     members = [Member(Target("serve-8", serves[0])), Member(Target("serve-2", serves[1])),
                Member(Target("vllm", events_url), api_key=EVENTS_API_KEY)]
@@ -111,6 +129,22 @@ def test_fleet_over_two_serves_and_a_real_vllm(vllm_server, serves):
             await until(pilot, app, lambda: knobs(events_url, key=True)["max_num_seqs"] == vllm_limit,
                         "knob to one")
             assert knobs(serves[0])["max_num_seqs"] == 1
+
+            # the fleet's recording of each engine replays with the engine's own set-up, none assumed
+            path = str(tmp_path / "fleet.jsonl")
+            assert app.fleet.start_recording(path).startswith("recording 3 engines")
+            await asyncio.gather(step(launched.url), complete(serves[0]), complete(serves[1]))
+            await until(pilot, app, lambda: retired_in(path) == {"serve-8", "serve-2", "vllm"},
+                        "each engine's finished request in the recording")
+            app.fleet.stop_recording()
+            served = read_recording(path, "vllm")
+            state = httpx.get(events_url + "/v1/knobs", headers=AUTH, timeout=10).json()
+            assert served.setup.assumed == () and served.setup.vllm["version"] == "0.32"
+            assert served.setup.vllm["num_blocks"] == state["num_kv_blocks"] + 1
+            assert served.setup.vllm["block_size"] == state["block_size"]
+            assert served.setup.vllm["max_model_len"] == state["max_model_len"]
+            tiny = read_recording(path, "serve-8")
+            assert tiny.setup.assumed == () and tiny.setup.num_kv_blocks == 64
 
             await pilot.press("enter")
             assert isinstance(app.screen, DashboardScreen) and app.screen.source.kind == "remote"

@@ -17,6 +17,7 @@ from batchtop.engine.whatif.grid import write_runs
 from batchtop.engine.whatif.recording import read_recording
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.recorder import encode_event
+from batchtop.telemetry.slowdown import Slowdown
 from batchtop.tui.cli import main
 
 LIMITS = {"max_num_seqs": 8, "max_num_batched_tokens": 96, "num_blocks": 33, "block_size": 16}
@@ -48,21 +49,28 @@ def write(path, header, events) -> str:
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def harness():
     env = vllm_replay.PROJECT_ROOT / vllm_replay.VLLM_ENVS["0.32"]
     if (env / "UNAVAILABLE").exists():
         pytest.skip(f"no vLLM 0.32 here: {(env / 'UNAVAILABLE').read_text().strip()}")
     if not (env / "bin" / "python").exists():
         pytest.skip(f"no vLLM 0.32 environment at {env} (make setup builds it)")
+    with vllm_replay.HarnessProcess("0.32") as process:
+        yield process
+
+
+def recorded_in_harness(harness, folder, step_time, requests: list[dict]):
+    result = harness.run({"trace": requests, "limits": LIMITS, "scheduler": "batchtop", "events": True,
+                          "step_time": step_time})
+    return read_recording(write(folder / "vllm.jsonl", result["header"],
+                                [ev.event_from_dict(e) for e in result["events"]]))
+
+
+@pytest.fixture(scope="module")
+def made(harness, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-whatif")
-    with vllm_replay.HarnessProcess("0.32") as harness:
-        result = harness.run({"trace": trace(), "limits": LIMITS, "scheduler": "batchtop", "events": True,
-                              "step_time": LAW})
-        path = write(folder / "vllm.jsonl", result["header"],
-                     [ev.event_from_dict(e) for e in result["events"]])
-        rec = read_recording(path)
-        what = vllm_replay.whatif_vllm(rec, {"max_num_seqs": [2]}, harness)
-    return rec, what, folder
+    rec = recorded_in_harness(harness, folder, LAW, trace())
+    return rec, vllm_replay.whatif_vllm(rec, {"max_num_seqs": [2]}, harness), folder
 
 
 def test_the_identity_replay_through_the_harness_schedules_every_recorded_step(made):
@@ -90,6 +98,29 @@ def test_the_fit_recovers_the_harness_law_and_a_lower_max_num_seqs_runs_fewer(ma
     (path,) = write_runs(what, str(folder / "what.jsonl"))
     again = read_recording(path)
     assert again.setup.vllm["version"] == "0.32" and again.setup.knobs["max_num_seqs"] == 2
+
+
+def slow_stretch(start_s: float, end_s: float, factor: float) -> dict:
+    """A recorded slowdown table: every step `factor` times slower between `start_s` and `end_s`."""
+    starts = [i * 0.01 for i in range(400)]
+    load = [factor if start_s <= t < end_s else 1.0 for t in starts]
+    return Slowdown({1: 1.0}, tuple(starts), tuple(load), sum(load) / len(load)).to_dict()
+
+
+def test_a_slow_stretch_inside_vllm_stays_where_it_was_and_the_median_token_gap_holds(harness, tmp_path):
+    """The recording's machine was 4x slower for a stretch: the fit finds it there, and the prediction
+    at the recorded knobs keeps the median token gap (the mean slowdown over every step would stretch
+    every step, the median one too) and the throughput."""
+    rec = recorded_in_harness(harness, tmp_path, {**LAW, "slowdown": slow_stretch(0.6, 1.4, 4.0)},
+                              trace(90, seed=8))
+    what = vllm_replay.whatif_vllm(rec, {}, harness)
+    rng = random.Random(0)
+    assert what.model.slowdown.draw(rng, 4, 0.3) == pytest.approx(1.0, rel=0.1)
+    assert what.model.slowdown.draw(rng, 4, 1.0) == pytest.approx(4.0, rel=0.1)
+    recorded, fitted = (run.summary for run in what.runs)
+    assert what.model.mean_slowdown > 1.3          # a mean-scaled law would miss the median gap by as much
+    assert fitted.itl.p50 == pytest.approx(recorded.itl.p50, rel=0.1)
+    assert fitted.throughput_out_tok_s == pytest.approx(recorded.throughput_out_tok_s, rel=0.1)
 
 
 @pytest.fixture

@@ -17,7 +17,9 @@ from batchtop.engine.whatif.vllm_replay import check_grid, harness_limits, harne
 # What batchtop's class inside vLLM 0.32 answers on GET /v1/knobs (the fields the header needs).
 STATE = {"knobs": {"max_num_seqs": 4, "max_num_batched_tokens": 2048, "long_prefill_token_threshold": 0},
          "block_size": 128, "num_kv_blocks": 181, "max_model_len": 512, "model": "smollm2",
-         "engine": "vllm 0.32.0", "scheduler": "BatchtopScheduler"}
+         "engine": "vllm 0.32.0", "scheduler": "BatchtopScheduler",
+         "engine_setup": {"num_blocks": 182, "block_size": 128, "max_model_len": 512,
+                          "enable_prefix_caching": False, "policy": "fcfs", "async_scheduling": False}}
 
 
 def test_a_captured_stream_reads_back_as_a_vllm_recording_with_the_servers_setup(tmp_path):
@@ -77,18 +79,21 @@ def test_the_table_gives_a_verdict_only_where_the_error_exceeds_the_measured_spr
 
 def test_the_report_renders_from_the_saved_points():
     args = SimpleNamespace(requests=40, rate=3.0, recorded=4, values="8", budget=64, num_gpu_blocks=None,
-                           omp_threads=None, enforce_eager=True, repeats=1, seed=25)
+                           omp_threads=None, enforce_eager=True, repeats=1, seed=25, prompt_mean=48,
+                           output_mean=100, max_output=256)
     rnd = {"steps": 100, "wall_s": 20.0, "matching": 100, "identity_steps": 100, "law": "tokens", "mape": 0.1,
            "slowdown": 1.0, "gap": "100 us", "output_tok_s": 50.0, "ttft_p50_s": 0.5, "startup_s": 60.0,
            "round_s": 600.0, "client": {"duration_s": 100.0}}
     row = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "itl_p50_s": 0.03, "output_tok_s": 60.0, "preemptions": 0}
-    saved = {"seconds": 600, "command": "vllm ...", "rounds": [rnd],
+    saved = {"seconds": 600, "command": "vllm ...", "rounds": [rnd], "load": [0.4, 1.9, 1.2],
              "points": [{"knobs": {"max_num_seqs": 8}, "predicted": [row],
                          "measured": [{**row, "output_tok_s": 58.0, "duration_s": 100.0, "startup_s": 30.0}],
                          "compute_s": [1.5]}]}
     text = whatif_vllm.report(args, saved)
     assert text.startswith("## Predicted against measured: vLLM 0.32\n")
     assert "| 1 | 100 | 20.0 s | 100 of 100 |" in text
+    assert "--output-mean 100 --max-output 256 --repeats 1" in text
+    assert "means 48 and 100 tokens, at most 256 and 256" in text and "load average 0.4-1.9 over" in text
     # 600 s, of which 200 s the two runs of 40 requests: 600 + 200 * (300 / 40 - 1) s for 300
     assert "each healthy in 30-60 s" in text and "the runs 33% of it" in text
     assert "would have taken about 0.5 h" in text

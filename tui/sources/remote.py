@@ -82,7 +82,8 @@ class RemoteSource(Source):
         self.knobs = knobs
         self._paused = bool(state.get("paused"))
         self.meta = {**self.meta, "model": state.get("model"),
-                     "preemption_mode": knobs.get("preemption_mode")}
+                     "preemption_mode": knobs.get("preemption_mode"),
+                     "engine": state.get("engine_setup")}    # a recording's header `engine` entry
         engine = state.get("engine")        # another engine's facts (batchtop's scheduler inside vLLM)
         if engine:
             self.meta.update(device=engine, slots=state.get("slots"),
