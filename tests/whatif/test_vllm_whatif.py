@@ -108,17 +108,17 @@ def slow_stretch(start_s: float, end_s: float, factor: float) -> dict:
 
 
 def test_a_slow_stretch_inside_vllm_stays_where_it_was_and_the_median_token_gap_holds(harness, tmp_path):
-    """The recording's machine was 4x slower for a stretch: the fit finds it there, and the prediction
+    """The recording's machine was 6x slower for a stretch: the fit finds it there, and the prediction
     at the recorded knobs keeps the median token gap (the mean slowdown over every step would stretch
     every step, the median one too) and the throughput."""
-    rec = recorded_in_harness(harness, tmp_path, {**LAW, "slowdown": slow_stretch(0.6, 1.4, 4.0)},
+    rec = recorded_in_harness(harness, tmp_path, {**LAW, "slowdown": slow_stretch(0.6, 1.4, 6.0)},
                               trace(90, seed=8))
     what = vllm_replay.whatif_vllm(rec, {}, harness)
     rng = random.Random(0)
-    assert what.model.slowdown.draw(rng, 4, 0.3) == pytest.approx(1.0, rel=0.1)
-    assert what.model.slowdown.draw(rng, 4, 1.0) == pytest.approx(4.0, rel=0.1)
+    assert what.model.slowdown.draw(rng, 4, 0.3) == pytest.approx(1.0, rel=0.2)
+    assert what.model.slowdown.draw(rng, 4, 1.0) == pytest.approx(6.0, rel=0.2)
     recorded, fitted = (run.summary for run in what.runs)
-    assert what.model.mean_slowdown > 1.3          # a mean-scaled law would miss the median gap by as much
+    assert what.model.mean_slowdown > 1.2    # a law times the mean would miss the median gap by as much
     assert fitted.itl.p50 == pytest.approx(recorded.itl.p50, rel=0.1)
     assert fitted.throughput_out_tok_s == pytest.approx(recorded.throughput_out_tok_s, rel=0.1)
 
