@@ -213,8 +213,8 @@ def report(args, rounds: list[dict], results: list[dict], seconds: float, load: 
                + (f"--num-kv-blocks {args.num_kv_blocks} " if args.num_kv_blocks else "")
                + trace_flags(args) + f"--repeats {args.repeats} --write`")
     lines = [section(args), "",
-             f"{date.today().isoformat()}, commit {commit()}, {cpu_name()}, tiny model, torch ops "
-             f"(`BATCHTOP_CPU_KERNEL=0`), {load.words()}. Command: {command} "
+             f"{date.today().isoformat()}, commit {commit()}, {cpu_name()}, tiny model, {kernels_words()}, "
+             f"{load.words()}. Command: {command} "
              f"({seconds / 60:.0f} min).", "",
              f"Trace: {trace_words(args)}, EOS ignored, no prefix caching{pool}. "
              f"{args.repeats} rounds, each: "
@@ -227,6 +227,13 @@ def report(args, rounds: list[dict], results: list[dict], seconds: float, load: 
     lines += ["", f"What-if compute time per point: {min(speed):.2f}-{max(speed):.2f} s for {args.requests} "
                   f"requests, against {min(wall):.1f}-{max(wall):.1f} s recorded."]
     return "\n".join(lines)
+
+
+def kernels_words() -> str:
+    from batchtop.kernels import cpu
+    if cpu.available():
+        return "the C++ CPU kernels"
+    return f"torch ops (the C++ kernels off: {cpu.unavailable_reason()})"
 
 
 def recordings_table(rounds: list[dict]) -> list[str]:

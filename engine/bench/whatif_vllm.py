@@ -8,7 +8,8 @@ Each round launches vLLM at the recorded max_num_seqs, replays the fixed trace w
 its arrival time) while following the server's event stream from its first step, and writes those events
 as a recording of vLLM (the header's `engine` entry from the server's `/v1/knobs`). vLLM's own scheduler
 predicts every point from it through the harness (what `batchtop whatif REC --set ...` runs); then each
-point is launched and replayed once with the same client, in alternating order from round to round.
+point is launched and replayed once with the same client, in alternating order from round to round
+(each real run's events kept as a recording too, for `batchtop diff` against the prediction).
 Measured TTFT, ITL and throughput are the client's; preemptions the server's events. Every server is
 stopped (its whole process group) and its ports free before the next starts. Writes its section of
 docs/whatif.md.
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             name = "-".join(f"{k}={v}" for k, v in changed.items())
             run = run_server(options(args, model, changed), trace, requests, out / f"round{r + 1}-{name}.log",
                              load)
+            # the real run as a recording too: `batchtop diff` of it against the prediction parts the error
+            write_recording(out / f"round{r + 1}-{name}.jsonl", vllm_header(run["state"]), run["events"])
             point["measured"].append({**measured_row(run["summary"], run["events"], run["counters"]),
                                       "startup_s": run["startup_s"]})
             print(json.dumps({"round": r + 1, "knobs": changed, "startup_s": round(run["startup_s"], 1),

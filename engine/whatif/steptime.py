@@ -39,6 +39,10 @@ LAWS: dict[str, tuple[str, ...]] = {
     "prefill+decode+context+attention": ("prefill_tokens", "decode_rows", "context_tokens",
                                          "prefill_attention"),
 }
+# a row count's factor counts this many steps at 1 beside its own: four recorded 2-row steps of a vLLM
+# recording at max_num_seqs=4 gave factors of 0.75 to 1.24 from round to round, each carried into every
+# 2-row step of a what-if at max_num_seqs=2
+ROWS_PRIOR_STEPS = 20
 LOAD_SMOOTH_STEPS = 25           # the machine's load at a step: the mean ratio of this many steps either side
 EXTRAPOLATION_MARGIN = 1.1        # a feature up to 10% beyond the recorded maximum still counts as seen
 NUM_FOLDS = 5
@@ -177,7 +181,9 @@ def fit_gap(samples: list[GapSample]) -> GapLaw:
 def fit_slowdown(shapes: list[StepShape], measured: list[float], law: Law) -> Slowdown:
     """The machine's load first (the mean ratio of the steps around each, whatever their rows), then each
     number of rows' factor on top of it: an overloaded recording runs few rows only at its quiet
-    moments, and their ratio is the moment's, not the rows'."""
+    moments, and their ratio is the moment's, not the rows'. A row count's factor is the mean of its
+    steps' and of ROWS_PRIOR_STEPS steps at 1 (the law itself): a count the recording ran a handful of
+    times stays near the law instead of following a handful of noisy steps."""
     steps = sorted((shape.start_s, shape.num_rows, m / f) for shape, m in zip(shapes, measured)
                    if m > 0 and (f := law.predict(shape)) > 0)
     if not steps:
@@ -189,7 +195,8 @@ def fit_slowdown(shapes: list[StepShape], measured: list[float], law: Law) -> Sl
     by_rows: dict[int, list[float]] = {}
     for (_, rows, _), ratio, local in zip(steps, ratios, around):
         by_rows.setdefault(rows, []).append(ratio / local)
-    factors = {rows: float(np.mean(values)) for rows, values in by_rows.items()}
+    factors = {rows: (sum(values) + ROWS_PRIOR_STEPS) / (len(values) + ROWS_PRIOR_STEPS)
+               for rows, values in by_rows.items()}
     return Slowdown(factors, tuple(t for t, _, _ in steps),
                     tuple(ratio / factors[rows] for _, rows, ratio in steps), float(ratios.mean()))
 
