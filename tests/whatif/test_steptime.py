@@ -1,11 +1,13 @@
 """The step-time fit recovers a known law from a recording's own timings, picks its law by held-out error,
 and flags steps beyond the recorded shapes; a what-if at the recorded knobs then reproduces the run."""
+import dataclasses
+
 import pytest
 from whatif_helpers import linear_law, synthetic_recording
 
 from batchtop.engine.whatif.grid import predict, run_of
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
-from batchtop.engine.whatif.steptime import fit_law
+from batchtop.engine.whatif.steptime import ROWS_PRIOR_STEPS, fit_law, fit_slowdown
 from batchtop.engine.whatif.virtual import StepShape
 
 
@@ -59,3 +61,19 @@ def test_steps_beyond_the_recorded_shapes_are_counted_as_extrapolated(synthetic)
     assert run.extrapolation is not None and "extrapolated" in run.extrapolation
     assert "num_rows" in run.extrapolation or "decode_rows" in run.extrapolation
     assert predict(synthetic, model, {"max_num_seqs": 6}).extrapolation is None
+
+
+def test_steps_at_a_row_count_the_recording_ran_a_handful_of_times_are_flagged(synthetic):
+    """Every row count of the run at max_num_seqs=6 was recorded often enough to be timed; one recorded
+    fewer than ROWS_PRIOR_STEPS times is named with its count, and its factor stays near the law's 1."""
+    model = fit_steps(synthetic, replay_identity(synthetic))
+    assert all(n >= ROWS_PRIOR_STEPS for rows, n in model.rows_recorded.items() if rows >= 2)
+    rare = dataclasses.replace(model, rows_recorded={**model.rows_recorded, 2: 3}).fresh()
+    run = predict(synthetic, rare, {"max_num_seqs": 2})
+    assert run.extrapolation is not None
+    assert "row counts the recording ran fewer than 20 times (2 rows: 3 recorded)" in run.extrapolation
+    assert "beyond the recorded shapes" not in run.extrapolation
+    # 60 steps of 4 rows as the law says, 3 of 2 rows twice as slow: their factor stays near 1
+    shapes = [StepShape(2 if i % 20 == 10 else 4, 0, 4, 40, 0, i * 0.01) for i in range(60)]
+    measured = [(2.0 if s.num_rows == 2 else 1.0) * model.forward.predict(s) for s in shapes]
+    assert 1.0 < fit_slowdown(shapes, measured, model.forward).by_rows[2] < 1.2

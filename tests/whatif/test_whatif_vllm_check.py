@@ -98,3 +98,7 @@ def test_the_report_renders_from_the_saved_points():
     assert "each healthy in 30-60 s" in text and "the runs 33% of it" in text
     assert "would have taken about 0.5 h" in text
     assert "| max_num_seqs=8 | output tok/s | 60.0 | 0% | 58.0 | 0% | +3% | ok | 5% |" in text
+    assert "made again" not in text
+    again = whatif_vllm.report(args, {**saved, "commit": "aaa111", "predicted_at": "bbb222"})
+    assert "The real runs are those of commit aaa111; every prediction was made again from the same " \
+           "recordings at commit bbb222" in again
