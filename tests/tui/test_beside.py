@@ -87,7 +87,7 @@ async def open_plots(pilot, app) -> str:
 async def test_a_whatif_output_beside_its_original_draws_both_runs_labelled(opened, whatif_out):
     app = opened(whatif_out, "--beside", FIXTURE_LOG, "--paused")
     async with app.run_test(size=(120, 40)) as pilot:
-        app.source.seek(70)
+        app.source.seek(100)
         app.tick()
         text = await open_plots(pilot, app)
         assert "beside: small.jsonl" in text.splitlines()[0]                     # the header says so
@@ -111,7 +111,7 @@ async def test_a_whatif_output_beside_its_original_draws_both_runs_labelled(open
         assert what.keys() == original.keys() and len(what) > 10 and what["r0"] == original["r0"] == 0.0
         assert all(0 <= what[rid] - original[rid] < 0.25 for rid in what)
         assert "A seqs=" not in text         # a what-if keeps its knobs: no change marked on A ...
-        assert "B seqs=4" in text            # ... the original's own change is, on B
+        assert "B seqs=4" in text, text      # ... the original's own change is, on B
 
 
 @pytest.mark.asyncio
