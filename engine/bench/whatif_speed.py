@@ -307,12 +307,16 @@ def report(args, recordings: dict[str, Recording], how: dict[str, str], tables: 
         worst_share = share_of(worst.cpu_s, recorded_s)[0]
         whole = sum(statistics.median(t.cpu_s) for t in table.values())
         budget_ms = recorded_s / len(recordings[name].steps) * TARGET * 1e3
+        num_recorded = len(recordings[name].steps)
+        within = sum(share_of(t.cpu_s, recorded_s)[0] < TARGET for t in grid)
         verdicts.append(
             f"- {name}: the slowest value ({worst.label}) takes {worst_share:.2%} of the recorded time "
             f"(median CPU), {statistics.median(worst.cpu_s) / worst.steps * 1e3:.3f} ms a step, where under "
             f"{TARGET:.0%} allows {budget_ms:.3f} ms a recorded step: the target is "
-            f"**{'met' if worst_share < TARGET else 'not met'}**. The whole command ({len(table)} parts "
-            f"above): {whole:.2f} s CPU, {whole / recorded_s:.1%} of the recorded time.")
+            f"**{'met' if worst_share < TARGET else 'not met'}** ({within} of {len(grid)} values within "
+            f"it; the slowest schedules {worst.steps} steps, {worst.steps / num_recorded:.1f}x the "
+            f"recording's {num_recorded}). The whole command ({len(table)} parts above): {whole:.2f} s CPU, "
+            f"{whole / recorded_s:.1%} of the recorded time.")
     lines += ["", *verdicts]
     if smollm2 is not None:
         busy, law = smollm2
