@@ -38,6 +38,8 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
+import operator
 import os
 import random
 import sys
@@ -61,6 +63,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from batchtop.telemetry.slowdown import Slowdown
 
 SHAPE_FEATURES = ("num_rows", "prefill_tokens", "decode_rows", "context_tokens", "prefill_attention")
+# features a law may name beside the shape's own, computed from it (batchtop's StepShape has the same)
+DERIVED_FEATURES = {"log_decode_rows": lambda shape: math.log2(1 + shape["decode_rows"])}
 STOP_TOKEN = 2  # the made-up runner's token that ends a request before max_tokens
 SAMPLED_TOKEN = 7  # every other sampled token
 FIRST_PROMPT_TOKEN = 10  # prompts made from a length use ids from here on
@@ -503,19 +507,21 @@ def step_time_from(spec, harness_of: Callable[[], Harness]) -> Callable[[object]
     def from_law(output) -> float:
         harness = harness_of()
         shape = harness.shape_of(output)
-        forward = intercept + sum(c * shape[name] for name, c in law)
+        forward = intercept + sum(c * get(shape) for get, c in law)
         factor = scale if slowdown is None else slowdown.draw(rng, shape["num_rows"], harness.clock_s)
-        return forward * factor + overhead_intercept + sum(c * shape[name] for name, c in overhead_terms)
+        return forward * factor + overhead_intercept + sum(c * get(shape) for get, c in overhead_terms)
 
     return from_law
 
 
-def _law_terms(law: dict) -> list[tuple[str, float]]:
-    unknown = set(law) - set(SHAPE_FEATURES)
+def _law_terms(law: dict) -> list[tuple[Callable[[dict], float], float]]:
+    """(feature getter, coefficient) for each term of a law."""
+    known = (*SHAPE_FEATURES, *DERIVED_FEATURES)
+    unknown = set(law) - set(known)
     if unknown:
         raise ValueError(f"step-time law: unknown feature(s) {', '.join(sorted(unknown))}; "
-                         f"features: {', '.join(SHAPE_FEATURES)}")
-    return [(name, float(c)) for name, c in law.items()]
+                         f"features: {', '.join(known)}")
+    return [(DERIVED_FEATURES.get(name) or operator.itemgetter(name), float(c)) for name, c in law.items()]
 
 
 def recording_header(scheduler, limits: Limits) -> dict:

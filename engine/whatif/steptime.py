@@ -39,6 +39,10 @@ LAWS: dict[str, tuple[str, ...]] = {
     "prefill+decode+context": ("prefill_tokens", "decode_rows", "context_tokens"),
     "prefill+decode+context+attention": ("prefill_tokens", "decode_rows", "context_tokens",
                                          "prefill_attention"),
+    # a decode step's cost concave in its rows (a CPU's matmul: 5.1, 6.7, 7.8 ms at 1, 2, 4 rows and 8.8 at
+    # 8 for the tiny model on torch ops), which a linear term fitted on 1-4 rows prices at 11.5 ms at 8
+    "prefill+log-decode": ("prefill_tokens", "log_decode_rows"),
+    "prefill+log-decode+context": ("prefill_tokens", "log_decode_rows", "context_tokens"),
 }
 # a row count's factor counts this many steps at 1 beside its own: four recorded 2-row steps of a vLLM
 # recording at max_num_seqs=4 gave factors of 0.75 to 1.24 from round to round, each carried into every

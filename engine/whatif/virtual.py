@@ -9,6 +9,7 @@ are a real recording's events, with a real recording's times when the caller giv
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +36,12 @@ class StepShape:
     context_tokens: int          # sum of the rows' sequence lengths: KV read by attention
     prefill_attention: int       # sum over prefill rows of chunk x sequence length
     start_s: float = 0.0         # when it began on the virtual clock (the machine's load then)
+
+    @property
+    def log_decode_rows(self) -> float:
+        """log2(1 + decode_rows): a law's term for a step cost concave in its rows (the vLLM harness's
+        DERIVED_FEATURES has the same)."""
+        return math.log2(1 + self.decode_rows)
 
 
 @dataclass(frozen=True)

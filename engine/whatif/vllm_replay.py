@@ -124,7 +124,8 @@ def law_spec(model: StepTimeModel) -> dict:
     from the recorded slowdown (the same draw as batchtop's what-if), plus the overheads (their
     intercepts and per-row terms) and the mean gap."""
     law = model.forward
-    coef = dict.fromkeys(SHAPE_FIELDS, 0.0)
+    coef = dict.fromkeys(SHAPE_FIELDS, 0.0) | dict.fromkeys(law.names, 0.0)
+    coef.pop("num_tokens", None)
     for name, c in zip(law.names, law.coef[1:]):
         for feature in (("prefill_tokens", "decode_rows") if name == "num_tokens" else (name,)):
             coef[feature] += c
