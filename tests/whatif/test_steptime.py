@@ -45,6 +45,26 @@ def test_the_law_is_chosen_by_held_out_error_not_by_its_size():
     assert law.name in ("tokens", "prefill+decode")
 
 
+def test_a_cost_concave_in_rows_is_fitted_by_a_log_law_that_extrapolates():
+    """Decode steps of 1 to 4 rows whose cost is concave in the rows (as a CPU's matmul: 5.1, 6.7, 7.8 ms
+    at 1, 2, 4 rows): a log law wins by held-out error and prices 8 rows near the truth, where the best
+    linear law, its slope set by 1 to 4 rows, overshoots by more than 15%."""
+    import math
+
+    from batchtop.engine.whatif.steptime import LAWS
+
+    def truth(rows):
+        return 4e-3 + 1.2e-3 * math.log2(1 + rows)
+    shapes = [StepShape(r, 0, r, 60 * r, 0) for r in (1, 2, 3, 4) for _ in range(30)]
+    times = [truth(s.decode_rows) * (1 + 0.01 * ((i * 7) % 5 - 2)) for i, s in enumerate(shapes)]
+    law = fit_law(shapes, times)
+    assert "log-decode" in law.name
+    eight = StepShape(8, 0, 8, 480, 0)
+    assert law.predict(eight) == pytest.approx(truth(8), rel=0.05)
+    linear = fit_law(shapes, times, {name: names for name, names in LAWS.items() if "log" not in name})
+    assert linear.predict(eight) > 1.15 * truth(8)
+
+
 def test_a_what_if_at_the_recorded_knobs_reproduces_the_run(synthetic):
     identity = replay_identity(synthetic)
     model = fit_steps(synthetic, identity)
