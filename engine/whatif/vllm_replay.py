@@ -124,11 +124,10 @@ def law_spec(model: StepTimeModel) -> dict:
     from the recorded slowdown (the same draw as batchtop's what-if), plus the overheads (their
     intercepts and per-row terms) and the mean gap."""
     law = model.forward
-    coef = dict.fromkeys(SHAPE_FIELDS, 0.0) | dict.fromkeys(law.names, 0.0)
-    coef.pop("num_tokens", None)
+    coef = dict.fromkeys(SHAPE_FIELDS, 0.0)
     for name, c in zip(law.names, law.coef[1:]):
         for feature in (("prefill_tokens", "decode_rows") if name == "num_tokens" else (name,)):
-            coef[feature] += c
+            coef[feature] = coef.get(feature, 0.0) + c      # a derived feature (log_decode_rows) as well
     overhead = {"intercept_s": model.gap_s + sum(a for a, _ in model.overhead.values()),
                 "num_rows": sum(b for _, b in model.overhead.values())}
     return {"law": coef, "intercept_s": law.coef[0], "slowdown": model.slowdown.to_dict(),

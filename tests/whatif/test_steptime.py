@@ -1,13 +1,14 @@
 """The step-time fit recovers a known law from a recording's own timings, picks its law by held-out error,
 and flags steps beyond the recorded shapes; a what-if at the recorded knobs then reproduces the run."""
 import dataclasses
+import math
 
 import pytest
 from whatif_helpers import linear_law, synthetic_recording
 
 from batchtop.engine.whatif.grid import predict, run_of
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
-from batchtop.engine.whatif.steptime import ROWS_PRIOR_STEPS, fit_law, fit_slowdown
+from batchtop.engine.whatif.steptime import LAWS, ROWS_PRIOR_STEPS, fit_law, fit_slowdown
 from batchtop.engine.whatif.virtual import StepShape
 
 
@@ -49,10 +50,6 @@ def test_a_cost_concave_in_rows_is_fitted_by_a_log_law_that_extrapolates():
     """Decode steps of 1 to 4 rows whose cost is concave in the rows (as a CPU's matmul: 5.1, 6.7, 7.8 ms
     at 1, 2, 4 rows): a log law wins by held-out error and prices 8 rows near the truth, where the best
     linear law, its slope set by 1 to 4 rows, overshoots by more than 15%."""
-    import math
-
-    from batchtop.engine.whatif.steptime import LAWS
-
     def truth(rows):
         return 4e-3 + 1.2e-3 * math.log2(1 + rows)
     shapes = [StepShape(r, 0, r, 60 * r, 0) for r in (1, 2, 3, 4) for _ in range(30)]
