@@ -14,6 +14,7 @@ seconds" for a live dashboard. Definitions (also in docs/events.md):
   ITL: gaps between consecutive StepFinished.t in which the request sampled.
   E2E: RequestRetired.t - RequestArrived.t.
 - batch utilisation: sum len(sampled_request_ids) / sum StepFinished.num_rows.
+- peak KV: the largest StepFinished.kv_blocks_used / kv_blocks_total.
 - recompute tax: sum tokens_to_recompute (preempted + retracted)
   / sum StepFinished.num_tokens.
 - percentiles: linear interpolation between closest ranks (numpy's default,
@@ -136,9 +137,16 @@ class MetricsSummary:
     num_finished: int
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     wait_s_by_reason: dict[str, float] = field(default_factory=dict)   # request-seconds queued, by reason
+    peak_kv: float | None = None      # the largest share of the KV pool in use at a step's end
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MetricsSummary:
+        """The summary `to_dict` wrote (sent between processes)."""
+        latencies = {name: Distribution(**data[name]) for name in ("ttft", "tpot", "itl", "e2e")}
+        return cls(**{**data, **latencies})
 
 
 class Metrics:
@@ -164,6 +172,7 @@ class Metrics:
         self.num_retractions = 0
         self.finished_by_reason: Counter[str] = Counter()
         self.wait_s_by_reason: dict[str, float] = {}
+        self.peak_kv: float | None = None
         self._ttft = array("d")
         self._tpot = array("d")
         self._itl = array("d")
@@ -206,6 +215,10 @@ class Metrics:
         self.row_steps_total += e.num_rows
         self.row_steps_useful += len(e.sampled_request_ids)
         self.tokens_computed += e.num_tokens
+        if e.kv_blocks_total:
+            share = e.kv_blocks_used / e.kv_blocks_total
+            if self.peak_kv is None or share > self.peak_kv:
+                self.peak_kv = share
         t = e.t
         for request_id in e.sampled_request_ids:
             rec = self._record(request_id)
@@ -309,6 +322,7 @@ class Metrics:
             num_finished=sum(self.finished_by_reason.values()),
             finished_by_reason=dict(self.finished_by_reason),
             wait_s_by_reason=dict(self.wait_s_by_reason),
+            peak_kv=self.peak_kv,
         )
 
 

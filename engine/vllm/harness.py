@@ -25,9 +25,11 @@ fields, with `"seed"`), plus an unscaled `"overhead": {"intercept_s": b, feature
 JSON out: `steps` (one `StepRecord` each), `requests` (one `RequestRecord` each) and, under
 batchtop's class with `--events`, the events as docs/events.md's JSON, stamped with the virtual
 clock (their times and step timings are the virtual ones, as a recording of the run would read),
-with `header`: a recording's header naming this vLLM. `--serve` keeps one vLLM import for many
-runs: each stdin line is a job (`trace`, `limits`, `scheduler`, `step_time`, `events`), each result
-one line on stdout (vLLM's own logging goes to stderr). A guest module: it imports only batchtop's
+with `header`: a recording's header naming this vLLM; or, for a job with `summary`, the figures
+of those events (telemetry/run_stats.py's summary, computed here: a what-if that needs only its
+table ships no events). `--serve` keeps one vLLM import for many runs: each stdin line is a job
+(`trace`, `limits`, `scheduler`, `step_time`, `events`, `summary`), each result one line on stdout
+(vLLM's own logging goes to stderr). A guest module: it imports only batchtop's
 telemetry and vLLM.
 """
 
@@ -60,6 +62,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from batchtop.telemetry.run_stats import Metrics
 from batchtop.telemetry.slowdown import Slowdown
 
 SHAPE_FEATURES = ("num_rows", "prefill_tokens", "decode_rows", "context_tokens", "prefill_attention")
@@ -236,6 +239,7 @@ class Harness:
         step_time: Callable[[object], float] = lambda output: 0.02,
         between_steps: Callable[[Harness], None] | None = None,
         step_starts: list[float] | None = None,
+        events_to: Callable[[list], None] | None = None,
     ):
         self.scheduler = scheduler
         self.trace = sorted(
@@ -244,6 +248,9 @@ class Harness:
         self.step_time = step_time
         self.between_steps = between_steps
         self.step_starts = step_starts  # the k-th step that schedules tokens starts no earlier than [k]
+        # batchtop's events, handed over after every step (the class's buffer is bounded: a long run
+        # would drop the oldest)
+        self.events_to = events_to
         self._num_scheduled = 0
         self.is_async = isinstance(scheduler, AsyncScheduler)
         self.clock_s = 0.0
@@ -388,6 +395,10 @@ class Harness:
                 if len(self.in_flight) < depth and output.total_num_scheduled_tokens > 0:
                     continue
             self._update(*self.in_flight.popleft())
+            if self.events_to is not None:
+                self.events_to(s.batchtop_events.drain())
+        if self.events_to is not None:
+            self.events_to(s.batchtop_events.drain())
         return self
 
     def _update(self, output, runner_output, scheduled_s: float) -> None:
@@ -436,17 +447,14 @@ class Harness:
             if request is not None:
                 record.num_preemptions = request.num_preemptions
 
-    def result(self, with_events: bool = False, step_fields: tuple[str, ...] | None = None,
-               with_requests: bool = True) -> dict:
-        """The run as JSON-ready dicts: each step's `step_fields` (None: all of StepRecord's), the
-        request records unless `with_requests` is False, and batchtop's events when asked."""
+    def result(self, step_fields: tuple[str, ...] | None = None, with_requests: bool = True) -> dict:
+        """The run as JSON-ready dicts: each step's `step_fields` (None: all of StepRecord's) and the
+        request records unless `with_requests` is False."""
         names = step_fields or STEP_FIELDS
         out = {"steps": [{name: getattr(s, name) for name in names} for s in self.steps]}
         if with_requests:
             out["requests"] = [{name: getattr(r, name) for name in REQUEST_FIELDS}
                                for r in self.requests.values()]
-        if with_events and hasattr(self.scheduler, "batchtop_events"):
-            out["events"] = [e.to_dict() for e in self.scheduler.batchtop_events.drain()]
         return out
 
 
@@ -542,7 +550,8 @@ def recording_header(scheduler, limits: Limits) -> dict:
 def run_job(job: dict) -> dict:
     """One run: `trace` (TraceRequest fields), `limits`, `scheduler`, `step_time`, `events`;
     `step_fields` (the StepRecord fields each step returns, default all) and `requests` (false: no
-    request records) leave out what the caller does not read."""
+    request records) leave out what the caller does not read. Under batchtop's class `summary` (true)
+    returns the run's figures (telemetry/run_stats.py's summary of its events) instead of the events."""
     trace = trace_of(job["trace"])
     limits = Limits(**job.get("limits", {}))
     step_fields = step_fields_of(job)
@@ -552,21 +561,26 @@ def run_job(job: dict) -> dict:
     spec = job.get("step_time", 0.02)
     step_time = step_time_from(spec, lambda: harness[0])
     starts = spec.get("starts_s") if isinstance(spec, dict) else None
-    harness.append(Harness(scheduler, trace, step_time=step_time, step_starts=starts))
-    events = job.get("events", False) and kind == "batchtop"
+    summary = job.get("summary", False) and kind == "batchtop"
+    events = job.get("events", False) and kind == "batchtop" and not summary
+    collected, metrics = [], Metrics()
+    events_to = metrics.feed if summary else collected.extend if events else None
+    harness.append(Harness(scheduler, trace, step_time=step_time, step_starts=starts, events_to=events_to))
     # the cycle collector paused for the run: it builds requests and events by the ten thousand and frees
     # none until the end, so a collection would walk them all for nothing
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with on_virtual_time(harness[0]) if events else contextlib.nullcontext():
-            result = harness[0].run(job.get("max_steps")).result(
-                with_events=events, step_fields=step_fields, with_requests=job.get("requests", True))
+        with on_virtual_time(harness[0]) if events_to else contextlib.nullcontext():
+            result = harness[0].run(job.get("max_steps")).result(step_fields, job.get("requests", True))
+        if summary:
+            result["summary"] = metrics.summary().to_dict()
+        if events:
+            result["events"] = [e.to_dict() for e in collected]
+            result["header"] = recording_header(scheduler, limits)
     finally:
         if collecting:
             gc.enable()
-    if events:
-        result["header"] = recording_header(scheduler, limits)
     return result
 
 

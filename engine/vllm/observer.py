@@ -24,6 +24,7 @@ from collections import deque
 from typing import Callable
 
 from batchtop.telemetry import events as ev
+from batchtop.telemetry.wait_clock import NEXT_STEP, WaitClock, WaitMark
 
 from .prefix_cache import PrefixCacheWatch
 from .slots import TOKEN_ID_BYTES, InputBatchMirror
@@ -70,6 +71,10 @@ class StepObserver:
         self._preempted: list[tuple[type, dict]] = []
         self._held: dict[str, int] = {}             # KV blocks each request held at the last look
         self._blocked_key: tuple | None = None
+        # each wait split by what stopped admission, as batchtop's engine splits it: the reason of each
+        # schedule() holds until the next; a request's reading taken when it joined the queue
+        self.wait_clock = WaitClock()
+        self._wait_marks: dict[str, WaitMark] = {}
 
     def _emit(self, kind: type, step: int | None = None, **fields) -> None:
         self._sink(kind(step=self._emitted_step if step is None else step, t=time.monotonic(), **fields))
@@ -78,6 +83,7 @@ class StepObserver:
 
     def arrived(self, request) -> None:
         self._tracks[request.request_id] = _Track(request.num_prompt_tokens, request.arrival_time)
+        self._wait_marks[request.request_id] = self.wait_clock.mark(time.monotonic())
         self._emit(ev.RequestArrived, request_id=request.request_id,
                    num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens,
                    priority=request.priority)
@@ -92,11 +98,13 @@ class StepObserver:
         if self.cache is not None:
             self.cache.retired(request_id)
         track = self._tracks.pop(request_id, None)
+        mark = self._wait_marks.pop(request_id, None)      # retired from the queue: its last wait
         if track is None:
             return
+        wait_reasons, wait_s = self.wait_clock.split(mark, time.monotonic()) if mark else ((), ())
         self._emit(ev.RequestRetired, request_id=request_id, reason=reason,
                    slot=self.mirror.slot_of.get(request_id, -1), num_prompt_tokens=track.num_prompt_tokens,
-                   num_output_tokens=track.num_output_tokens)
+                   num_output_tokens=track.num_output_tokens, wait_reasons=wait_reasons, wait_s=wait_s)
 
     # -- schedule() ---------------------------------------------------------------------------
 
@@ -108,6 +116,7 @@ class StepObserver:
     def preempting(self, request) -> None:
         """Inside `schedule()`, just before vLLM frees the victim's blocks."""
         self._held.pop(request.request_id, None)
+        self._wait_marks[request.request_id] = self.wait_clock.mark(time.monotonic())
         if self.cache is not None:
             self.cache.preempting(request.request_id)
         self._preempted.append((ev.RequestPreempted, dict(
@@ -119,6 +128,7 @@ class StepObserver:
                   schedule_s: float, blocked: dict | None = None) -> None:
         """`schedule()` returned `output`; `requests` is the scheduler's request table; `blocked` what
         stopped admission at the head of the queue (AdmissionBlocked's fields), None when nobody waits."""
+        decided_t = time.monotonic()
         cached = output.scheduled_cached_reqs
         scheduled_ids = output.num_scheduled_tokens
         to_add = [r.req_id for r in output.scheduled_new_reqs] + list(cached.req_ids)
@@ -134,9 +144,12 @@ class StepObserver:
         lookups = self._cache_step(output, resumed + new_reqs, requests, plan)
         for request_id, computed in resumed + new_reqs:   # computed > 0: a prefix-cache hit
             fields = lookups[request_id].fields() if request_id in lookups else {}
+            mark = self._wait_marks.pop(request_id, None)
+            wait_reasons, wait_s = self.wait_clock.split(mark, decided_t) if mark else ((), ())
             plan.append((ev.RequestAdmitted, dict(request_id=request_id, slot=admitted[request_id],
                                                   num_computed_tokens=computed,
-                                                  resumed=request_id in cached.resumed_req_ids, **fields)))
+                                                  resumed=request_id in cached.resumed_req_ids,
+                                                  wait_reasons=wait_reasons, wait_s=wait_s, **fields)))
         if self.cache is not None:
             for request_id, pid, num_new in self.cache.take_cached():
                 plan.append((ev.BlocksCached, dict(request_id=request_id, prefix_id=pid,
@@ -173,6 +186,7 @@ class StepObserver:
                                               num_running=counts[0], num_waiting=counts[1],
                                               kv_blocks_used=used, kv_blocks_total=total,
                                               kv_blocks_cached=self._num_cached_blocks())))
+        self.wait_clock.set(decided_t, NEXT_STEP if blocked is None else blocked["reason"])
         key = None if blocked is None else (blocked["reason"], blocked["request_id"])
         if key != self._blocked_key:
             self._blocked_key = key

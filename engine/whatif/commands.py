@@ -57,7 +57,7 @@ def cmd_whatif(args) -> int:
     rec = read_recording(args.recording, args.engine)
     if rec.setup.vllm is not None:
         from .vllm_replay import VLLM_MAX_NUM_SEQS, whatif_vllm
-        result = whatif_vllm(rec, parse_settings(args.set, VLLM_MAX_NUM_SEQS))
+        result = whatif_vllm(rec, parse_settings(args.set, VLLM_MAX_NUM_SEQS), keep_events=bool(args.record))
         grid = result.runs[2:]
     else:
         grid = parse_settings(args.set, rec.setup.batch_capacity)

@@ -43,8 +43,7 @@ class Run:
     label: str
     knobs: dict                  # the knobs changed from the recorded ones (empty: as recorded)
     summary: MetricsSummary
-    peak_kv: float | None        # the largest share of the KV pool in use at a step's end
-    events: list[ev.Event] | None = None
+    events: list[ev.Event] | None = None         # None: a run summarised where it ran (vLLM's harness)
     extrapolation: str | None = None
     seconds: float = 0.0         # what the replay took to compute
 
@@ -55,16 +54,14 @@ class Run:
                 "itl_p99_s": s.itl.p99, "e2e_p50_s": s.e2e.p50, "e2e_p99_s": s.e2e.p99,
                 "output_tok_s": s.throughput_out_tok_s, "preemptions": s.num_preemptions + s.num_retractions,
                 "recomputed_tokens": s.tokens_recomputed, "wait_s_by_reason": s.wait_s_by_reason,
-                "peak_kv": self.peak_kv, "steps": s.num_steps, "span_s": s.span_s,
+                "peak_kv": s.peak_kv, "steps": s.num_steps, "span_s": s.span_s,
                 "effective_batch": s.row_steps_useful / s.num_steps if s.num_steps else None,
                 "batch_utilisation": s.batch_utilisation,
                 "extrapolated": self.extrapolation, "compute_s": self.seconds}
 
 
 def run_of(label: str, knobs: dict, events: list[ev.Event], **extra) -> Run:
-    peak = max((e.kv_blocks_used / e.kv_blocks_total for e in events
-                if isinstance(e, ev.StepFinished) and e.kv_blocks_total), default=None)
-    return Run(label, knobs, summarize(events), peak, events, **extra)
+    return Run(label, knobs, summarize(events), events, **extra)
 
 
 @dataclass

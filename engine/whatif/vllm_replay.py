@@ -8,9 +8,11 @@ k-th step the k-th recorded time): the same scheduler must then plan the recorde
 step (`signatures`). The step-time law is fitted as for batchtop's recordings (steptime.py), on the
 shapes the identity replay computed, and handed to the harness as its coefficients with the recorded
 slowdown: each predicted step's forward is drawn as in batchtop's what-if (telemetry/slowdown.py,
-the same seed), the overheads and the mean gap between steps added. Prompts are made-up ids of the
-recorded lengths: a live recording carries no token ids, so a replay sees no prefix hits; the
-recording's own knob changes are not replayed (each run keeps its knobs throughout).
+the same seed), the overheads and the mean gap between steps added. A predicted run sends back its
+figures, summarised in the harness, and its events only when they are to be written (`--record`).
+Prompts are made-up ids of the recorded lengths: a live recording carries no token ids, so a replay
+sees no prefix hits; the recording's own knob changes are not replayed (each run keeps its knobs
+throughout).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.events import event_from_dict
+from batchtop.telemetry.run_stats import MetricsSummary
 
 from .grid import Run, WhatIf, points, run_of
 from .recording import VLLM_KNOBS, Recording
@@ -134,11 +137,13 @@ def law_spec(model: StepTimeModel) -> dict:
             "seed": model.seed, "overhead": overhead}
 
 
-def _job(rec: Recording, step_time, changed: dict | None = None, as_scheduled: bool = False) -> dict:
+def _job(rec: Recording, step_time, changed: dict | None = None, as_scheduled: bool = False,
+         events: bool = True) -> dict:
     """A harness run of the recording's trace; of each step only its shape comes back (the replay reads
-    nothing else of the steps, and no request records: the events carry what the table needs)."""
+    nothing else of the steps, and no request records: the events carry what the table needs), and
+    without `events` only the events' summary (the table's figures, computed in the harness)."""
     return {"trace": harness_trace(rec, as_scheduled), "limits": harness_limits(rec, changed),
-            "scheduler": "batchtop", "events": True, "step_time": step_time,
+            "scheduler": "batchtop", "events": events, "summary": not events, "step_time": step_time,
             "step_fields": list(SHAPE_FIELDS), "requests": False}
 
 
@@ -172,15 +177,20 @@ def fit_through_harness(rec: Recording, shapes: list[StepShape]) -> StepTimeMode
 
 
 def predict_through_harness(rec: Recording, model: StepTimeModel, harness: HarnessProcess, changed: dict,
-                            label: str | None = None) -> Run:
+                            label: str | None = None, keep_events: bool = False) -> Run:
+    """One what-if through vLLM's scheduler; its events come back only with `keep_events` (to write it
+    as a recording): the table needs only their summary, which the harness computes."""
     started = time.perf_counter()
-    result = harness.run(_job(rec, law_spec(model), changed))
+    result = harness.run(_job(rec, law_spec(model), changed, events=keep_events))
     seconds = time.perf_counter() - started
     counted = model.fresh()
     for shape in _shapes(result):
         counted.count(shape)
     label = label or ", ".join(f"{k}={v}" for k, v in changed.items()) or "as recorded (fitted)"
-    return run_of(label, changed, _events(result), extrapolation=counted.extrapolation(), seconds=seconds)
+    extra = dict(extrapolation=counted.extrapolation(), seconds=seconds)
+    if keep_events:
+        return run_of(label, changed, _events(result), **extra)
+    return Run(label, changed, MetricsSummary.from_dict(result["summary"]), **extra)
 
 
 def check_grid(grid: dict[str, list]) -> None:
@@ -190,15 +200,18 @@ def check_grid(grid: dict[str, list]) -> None:
                          f"knobs: {', '.join(VLLM_KNOBS)}")
 
 
-def whatif_vllm(rec: Recording, grid: dict[str, list], harness: HarnessProcess | None = None) -> WhatIf:
-    """`whatif` for a recording made inside vLLM: the identity replay, the fit, the grid's runs."""
+def whatif_vllm(rec: Recording, grid: dict[str, list], harness: HarnessProcess | None = None,
+                keep_events: bool = False) -> WhatIf:
+    """`whatif` for a recording made inside vLLM: the identity replay, the fit, the grid's runs (with
+    their events where `keep_events`: `--record`)."""
     check_grid(grid)
     if harness is None:
         with HarnessProcess(rec.setup.vllm["version"]) as own:
-            return whatif_vllm(rec, grid, own)
+            return whatif_vllm(rec, grid, own, keep_events)
     identity, shapes = identity_through_harness(rec, harness)
     model = fit_through_harness(rec, shapes)
     runs = [run_of("recorded", {}, rec.events),
-            predict_through_harness(rec, model, harness, {}, "as recorded (fitted)")]
-    runs += [predict_through_harness(rec, model, harness, changed) for changed in points(grid) if changed]
+            predict_through_harness(rec, model, harness, {}, "as recorded (fitted)", keep_events)]
+    runs += [predict_through_harness(rec, model, harness, changed, keep_events=keep_events)
+             for changed in points(grid) if changed]
     return WhatIf(rec, identity, model, runs)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 from telemetry_samples import STATIC_LENGTHS, static_batch
 
@@ -12,7 +14,7 @@ from batchtop.telemetry.events import (
     StepFinished,
 )
 from batchtop.telemetry.rates import WindowedRates
-from batchtop.telemetry.run_stats import Distribution, Metrics, percentile, summarize
+from batchtop.telemetry.run_stats import Distribution, Metrics, MetricsSummary, percentile, summarize
 
 approx = pytest.approx
 
@@ -156,3 +158,14 @@ def test_windowed_rates_young_run_uses_elapsed_time():
     assert r.output_tok_per_s == approx(1.0)    # both tokens over 2 s elapsed
     assert r.finished_per_s == approx(0.5)
     assert WindowedRates().rates().steps_per_s == 0.0
+
+
+def test_peak_kv_is_the_fullest_step_and_a_summary_survives_its_dict():
+    events = small_run()
+    pools = {1: (3, 8), 2: (7, 8), 3: (5, 10), 4: (0, 0), 5: (2, 8)}      # step: (used, total); 0: no pool
+    events = [dataclasses.replace(e, kv_blocks_used=pools[e.step][0], kv_blocks_total=pools[e.step][1])
+              if isinstance(e, StepFinished) else e for e in events]
+    s = summarize(events)
+    assert s.peak_kv == 7 / 8
+    assert summarize(small_run()).peak_kv is None          # no step knew its pool
+    assert MetricsSummary.from_dict(s.to_dict()) == s

@@ -510,6 +510,50 @@ def module_scenario() -> dict:
     }
 
 
+def waits_scenario() -> dict:
+    """Each wait split by reason (RequestAdmitted / RequestRetired from the queue): the split sums to the
+    wait (from the request's RequestArrived or RequestPreempted), and equals the split a WaitClock gets
+    from the events' own AdmissionBlocked stream (what the dashboard runs). A load that waits for the
+    row cap, the token budget and the pool, preempts, and aborts requests while they wait."""
+    from batchtop.engine.vllm.harness import on_virtual_time
+    from batchtop.telemetry.wait_clock import NEXT_STEP, WaitClock
+
+    limits = Limits(max_num_seqs=3, max_num_batched_tokens=48, num_blocks=14, block_size=16)
+    rng = random.Random(3)
+    trace = [TraceRequest(arrival_s=0.013 * i, num_prompt_tokens=rng.randint(10, 90),
+                          output_len=rng.randint(5, 60), request_id=f"w{i}",
+                          abort_s=0.013 * i + 0.05 if i % 9 == 4 else None) for i in range(60)]
+    s = build_scheduler(limits, "batchtop")
+    events: list = []
+    h = Harness(s, trace, step_time=lambda output: 0.02, events_to=events.extend)
+    with on_virtual_time(h):
+        h.run()
+    failures, clock, marks, joined = [], WaitClock(), {}, {}
+    waits = {"admitted": 0, "retired_waiting": 0, "by_reason": {}}
+    for e in events:
+        if isinstance(e, ev.AdmissionBlocked):
+            clock.set(e.t, e.reason)
+        elif isinstance(e, ev.StepPlanned) and not e.num_waiting:
+            clock.set(e.t, NEXT_STEP)
+        elif isinstance(e, (ev.RequestArrived, ev.RequestPreempted)):
+            marks[e.request_id], joined[e.request_id] = clock.mark(e.t), e.t
+        elif isinstance(e, (ev.RequestAdmitted, ev.RequestRetired)) and e.request_id in marks:
+            mark, start = marks.pop(e.request_id), joined.pop(e.request_id)
+            expected = dict(zip(*clock.split(mark, e.t)))
+            split = dict(zip(e.wait_reasons, e.wait_s))
+            waits["admitted" if isinstance(e, ev.RequestAdmitted) else "retired_waiting"] += 1
+            for reason, seconds in split.items():
+                waits["by_reason"][reason] = waits["by_reason"].get(reason, 0.0) + seconds
+            if abs(sum(split.values()) - (e.t - start)) > 1e-9 or split.keys() != expected.keys() or any(
+                    abs(split[r] - expected[r]) > 1e-9 for r in split):
+                failures.append(f"{e.kind} {e.request_id} at {e.t:.3f}: split {split}, waited "
+                                f"{e.t - start:.6f} s, the AdmissionBlocked stream gives {expected}")
+        elif isinstance(e, ev.RequestRetired) and e.wait_s:
+            failures.append(f"RequestRetired {e.request_id}: a wait split though it was not waiting")
+    return {"counts": {**waits, "preemptions": sum(isinstance(e, ev.RequestPreempted) for e in events)},
+            "failures": failures[:5]}
+
+
 def prefix_cache_scenario() -> dict:
     """prefix_cache_check.py's loads (test_vllm_harness.py reads them)."""
     from prefix_cache_check import run_all
@@ -525,6 +569,7 @@ SCENARIOS = {
     "failure": lambda: failure_scenario(False),
     "failure_async": lambda: failure_scenario(True),
     "gate_and_check": gate_and_check_scenario,
+    "waits": waits_scenario,
     "module": module_scenario,
     "prefix_cache": prefix_cache_scenario,
 }

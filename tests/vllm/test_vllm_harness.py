@@ -28,6 +28,17 @@ def test_the_fold_of_the_events_is_vllms_state_after_every_step(checked, scenari
         assert counts[seen] > 0, (seen, counts)
 
 
+def test_each_wait_is_split_by_what_stopped_admission_and_the_split_sums_to_the_wait(checked):
+    """RequestAdmitted / RequestRetired carry the wait split as batchtop's engine gives it: exact sums,
+    and the same split the AdmissionBlocked stream gives the dashboard, across every reason."""
+    result = checked["waits"]
+    assert result["failures"] == []
+    counts = result["counts"]
+    assert counts["admitted"] > 50 and counts["retired_waiting"] > 0 and counts["preemptions"] > 0
+    assert {"max_num_seqs", "budget", "kv", "preemption"} <= {
+        reason for reason, seconds in counts["by_reason"].items() if seconds > 0}
+
+
 def test_max_num_seqs_lowered_under_load_never_preempts_and_binds_as_rows_finish(checked):
     result = checked["max_num_seqs"]
     assert result["failures"] == []

@@ -70,7 +70,7 @@ def recorded_in_harness(harness, folder, step_time, requests: list[dict]):
 def made(harness, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-whatif")
     rec = recorded_in_harness(harness, folder, LAW, trace())
-    return rec, vllm_replay.whatif_vllm(rec, {"max_num_seqs": [2]}, harness), folder
+    return rec, vllm_replay.whatif_vllm(rec, {"max_num_seqs": [2]}, harness, keep_events=True), folder
 
 
 def test_the_identity_replay_through_the_harness_schedules_every_recorded_step(made):
@@ -98,6 +98,21 @@ def test_the_fit_recovers_the_harness_law_and_a_lower_max_num_seqs_runs_fewer(ma
     (path,) = write_runs(what, str(folder / "what.jsonl"))
     again = read_recording(path)
     assert again.setup.vllm["version"] == "0.32" and again.setup.knobs["max_num_seqs"] == 2
+
+
+def test_a_run_summarised_in_the_harness_reads_as_its_events_and_splits_waits_by_reason(made, harness):
+    """Without --record a predicted run comes back as the harness's summary of its events, not the events:
+    the same row, figure for figure; vLLM's waits are split by what stopped admission."""
+    rec, what, _ = made
+    with_events = what.runs[2]
+    summarised = vllm_replay.predict_through_harness(rec, what.model, harness, {"max_num_seqs": 2})
+    assert summarised.events is None and with_events.events
+    assert {**summarised.row(), "compute_s": 0} == {**with_events.row(), "compute_s": 0}
+    waits = summarised.row()["wait_s_by_reason"]
+    others = [seconds for reason, seconds in waits.items() if reason != "max_num_seqs"]
+    assert waits["max_num_seqs"] > max(others, default=0)
+    recorded = what.runs[0].summary.wait_s_by_reason
+    assert recorded and sum(recorded.values()) < sum(waits.values())
 
 
 def slow_stretch(start_s: float, end_s: float, factor: float) -> dict:
