@@ -41,8 +41,11 @@ METRICS = (("TTFT p50", "ttft_p50_s", 0.10), ("TTFT p99", "ttft_p99_s", 0.15),
            ("preemptions", "preemptions", None))
 
 
+MAX_PROMPT = 256            # the trace's longest prompt
+
+
 def make_trace(num_requests: int, rate: float, seed: int, prompt_mean: int = 48, output_mean: int = 24,
-               max_prompt: int = 256, max_output: int = 128) -> list[TraceItem]:
+               max_prompt: int = MAX_PROMPT, max_output: int = 128) -> list[TraceItem]:
     rng = random.Random(seed)
     t, items = 0.0, []
     for _ in range(num_requests):
@@ -60,7 +63,7 @@ def trace_of(args) -> list[TraceItem]:
 
 def trace_words(args) -> str:
     return (f"{args.requests} Poisson requests at {args.rate:g}/s (seed {args.seed}), prompts and outputs "
-            f"exponential (means {args.prompt_mean} and {args.output_mean} tokens, at most 256 and "
+            f"exponential (means {args.prompt_mean} and {args.output_mean} tokens, at most {MAX_PROMPT} and "
             f"{args.max_output})")
 
 
@@ -124,7 +127,8 @@ def check_parser(description: str, rate: float) -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=int, default=64, help="a token budget predicted and run")
     parser.add_argument("--repeats", type=int, default=3, help="rounds: a recording, then each point once")
     parser.add_argument("--seed", type=int, default=25)
-    parser.add_argument("--prompt-mean", type=int, default=48, help="mean prompt tokens (at most 256)")
+    parser.add_argument("--prompt-mean", type=int, default=48,
+                        help=f"mean prompt tokens (at most {MAX_PROMPT})")
     parser.add_argument("--output-mean", type=int, default=24, help="mean output tokens")
     parser.add_argument("--max-output", type=int, default=128,
                         help="longest output (long ones fill a small pool: preemptions)")

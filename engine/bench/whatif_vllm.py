@@ -39,6 +39,7 @@ from .sweep_launch import server_counters
 from .vllm_scheduler import EventFollower
 from .whatif_check import (
     DOC,
+    MAX_PROMPT,
     LoadWatch,
     check_parser,
     comparison_table,
@@ -51,7 +52,7 @@ from .whatif_check import (
 
 SECTION = "## Predicted against measured: vLLM 0.32"
 PORT, EVENTS_PORT = 8180, 8181
-MAX_MODEL_LEN = 512                 # the trace's longest request is 256 + 128 tokens
+CPU_BLOCK_SIZE = 128                # vLLM's KV block on its CPU build unless --block-size says otherwise
 
 
 def trace_requests(trace, seed: int) -> list[BenchRequest]:
@@ -132,10 +133,13 @@ def wait_port_free(port: int, timeout_s: float = 60.0) -> None:
 
 def options(args, model: str, knobs: dict) -> VllmOptions:
     extra = ["--no-enable-prefix-caching"]   # a live recording carries no token ids: no prefix hits replayed
+    if args.block_size:
+        extra += ["--block-size", str(args.block_size)]
     if "max_num_batched_tokens" in knobs:
         extra += ["--max-num-batched-tokens", str(knobs["max_num_batched_tokens"])]
     return VllmOptions(model=model, port=PORT, events_port=EVENTS_PORT,
-                       max_num_seqs=knobs.get("max_num_seqs", args.recorded), max_model_len=MAX_MODEL_LEN,
+                       max_num_seqs=knobs.get("max_num_seqs", args.recorded),
+                       max_model_len=MAX_PROMPT + args.max_output,
                        num_gpu_blocks_override=args.num_gpu_blocks, kv_cache_gib=1,
                        enforce_eager=args.enforce_eager, omp_threads=args.omp_threads,
                        extra_args=tuple(extra))
@@ -192,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = check_parser(__doc__.splitlines()[0], rate=3.0)
     parser.add_argument("--num-gpu-blocks", type=int, help="vLLM's KV pool in blocks, its null block "
                                                            "included (small: preemptions)")
+    parser.add_argument("--block-size", type=int, help=f"vLLM's KV block in tokens (default: vLLM's, "
+                                                       f"{CPU_BLOCK_SIZE} on its CPU build)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                         help="no torch.compile: a start in a third of the time")
     parser.add_argument("--omp-threads", type=int, help="OMP_NUM_THREADS of vLLM's worker (default: vLLM's)")
@@ -269,17 +275,21 @@ def load_words(saved: dict) -> str:
 
 
 def section(args) -> str:
-    return SECTION + (f", a pool of {args.num_gpu_blocks} blocks" if args.num_gpu_blocks else "")
+    if not args.num_gpu_blocks:
+        return SECTION
+    return (SECTION + f", a pool of {args.num_gpu_blocks} blocks"
+            + (f" of {args.block_size} tokens" if args.block_size else ""))
 
 
 def report(args, saved: dict) -> str:
     rounds, results = saved["rounds"], saved["points"]
-    pool = (f", a pool of {args.num_gpu_blocks} blocks of 128 tokens (vLLM's null block included)"
-            if args.num_gpu_blocks else "")
+    pool = (f", a pool of {args.num_gpu_blocks} blocks of {args.block_size or CPU_BLOCK_SIZE} tokens (vLLM's "
+            "null block included)" if args.num_gpu_blocks else "")
     command = ("`.venv/bin/python -m batchtop.engine.bench.whatif_vllm "
                f"--requests {args.requests} --rate {args.rate:g} --recorded {args.recorded} "
                f"--values {args.values} --budget {args.budget} "
                + (f"--num-gpu-blocks {args.num_gpu_blocks} " if args.num_gpu_blocks else "")
+               + (f"--block-size {args.block_size} " if args.block_size else "")
                + (f"--omp-threads {args.omp_threads} " if args.omp_threads else "") + trace_flags(args)
                + ("" if args.enforce_eager else "--no-enforce-eager ")
                + f"--repeats {args.repeats} --write`")
