@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from datetime import datetime, timezone
-from typing import IO, Callable, Iterator
+from typing import IO, Callable, Iterable, Iterator
 
 from .bus import EventBus, EventLog, Subscription
 from .events import SCHEMA_VERSION, Event, event_from_dict
@@ -352,6 +352,14 @@ def iter_log(path: str | os.PathLike, engine: str | None = None) -> Iterator[Eve
     """The events of a log, lazily (the header is checked before the first one)."""
     with LogReader(path, engine) as log:
         yield from log
+
+
+def write_log(path: str | os.PathLike, header: dict, events: Iterable[Event]) -> str:
+    """A whole log at once: the header line, then an event a line (what `read_log` reads back)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(header, separators=(",", ":"), default=str) + "\n")
+        f.writelines(encode_event(e) + "\n" for e in events)
+    return str(path)
 
 
 def read_log(path: str | os.PathLike, engine: str | None = None) -> tuple[dict, list[Event]]:

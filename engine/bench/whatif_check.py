@@ -29,7 +29,7 @@ from batchtop.engine.whatif.grid import predict, run_of
 from batchtop.engine.whatif.recording import engine_header, recording_from
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
 from batchtop.engine.workload.arrivals import TraceItem, TraceLoad
-from batchtop.telemetry.recorder import make_header
+from batchtop.telemetry.recorder import make_header, write_log
 
 from .figures import commit, cpu_name, publish
 
@@ -93,9 +93,8 @@ class LoadWatch:
 
 def run_real(loaded, trace: list[TraceItem], model: str = "tiny", **config) -> tuple[dict, list]:
     """The trace through the embedded engine (`loaded`, the `model` named) at `config`: (header, events).
-    No prefix caching: a
-    recording carries token counts, not tokens, so a what-if cannot replay prefix hits (a request
-    recomputed after a preemption would hit its own blocks)."""
+    No prefix caching: a recording carries token counts, not tokens, so a what-if cannot replay prefix
+    hits (a request recomputed after a preemption would hit its own blocks)."""
     events: list = []
     config = EngineConfig(model=model, flight_recorder_steps=0, enable_prefix_caching=False, **config)
     engine = Engine(config, sink=events.append, loaded=loaded)
@@ -139,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = check_parser(__doc__.splitlines()[0], rate=8.0)
     parser.add_argument("--num-kv-blocks", type=int, help="the KV pool in blocks of 16 (small: preemptions)")
     parser.add_argument("--json", help="also write the raw points here")
+    parser.add_argument("--out", metavar="DIR", help="also write each round's recording and each real run as "
+                                                     "recordings here (for batchtop whatif / diff)")
     parser.add_argument("--write", action="store_true", help="write the section of docs/whatif.md")
     args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     loaded = load_model("tiny")
     trace = trace_of(args)
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         load.read()
         header, events = run_real(loaded, trace, **base)
         load.read()
+        if out:
+            write_log(out / f"round{r + 1}-recorded.jsonl", header, events)
         rec = recording_from(header, events, f"max_num_seqs={args.recorded}")
         identity = replay_identity(rec)
         model = fit_steps(rec, identity)
@@ -172,9 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             results[i]["compute_s"].append(time.perf_counter() - began)
             results[i]["predicted"].append(predicted.row())
             load.read()
-            results[i]["measured"].append(
-                run_of("measured", changed, run_real(loaded, trace, **{**base, **changed})[1]).row())
+            header, events = run_real(loaded, trace, **{**base, **changed})
+            results[i]["measured"].append(run_of("measured", changed, events).row())
             load.read()
+            if out:
+                name = "-".join(f"{k}={v}" for k, v in changed.items())
+                write_log(out / f"round{r + 1}-{name}.jsonl", header, events)
             print(json.dumps({"round": r, "knobs": changed,
                               "predicted_tok_s": predicted.row()["output_tok_s"],
                               "measured_tok_s": results[i]["measured"][-1]["output_tok_s"]}), flush=True)

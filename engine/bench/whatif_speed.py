@@ -34,7 +34,7 @@ from batchtop.engine.whatif.grid import predict, prepare, run_of
 from batchtop.engine.whatif.recording import Recording, read_recording, recording_from
 from batchtop.engine.whatif.virtual import StepShape
 from batchtop.telemetry import events as ev
-from batchtop.telemetry.recorder import encode_event
+from batchtop.telemetry.recorder import write_log
 
 from .figures import commit, cpu_name, publish
 from .whatif_check import LoadWatch, kernels_words, run_real, trace_flags, trace_of, trace_words
@@ -267,9 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def save(rec: Recording, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(rec.header, default=str) + "\n")
-        f.writelines(encode_event(e) + "\n" for e in rec.events)
+    write_log(path, rec.header, rec.events)
 
 
 def report(args, recordings: dict[str, Recording], how: dict[str, str], tables: dict[str, dict[str, Timed]],

@@ -31,7 +31,7 @@ from batchtop.engine.vllm.launch import VllmOptions, launch_vllm, shell_line
 from batchtop.engine.whatif.grid import run_of
 from batchtop.engine.whatif.recording import read_recording
 from batchtop.engine.whatif.vllm_replay import HarnessProcess, predict_through_harness, whatif_vllm
-from batchtop.telemetry.recorder import encode_event, make_header
+from batchtop.telemetry.recorder import make_header, write_log
 
 from .figures import commit, cpu_name, publish
 from .serving import VOCAB_HIGH, VOCAB_LOW, BenchRequest, OpenAIBackend, RequestResult, summarize
@@ -94,12 +94,10 @@ def vllm_header(state: dict) -> dict:
 
 
 def write_recording(path: Path, header: dict, events: list) -> Path:
+    """The followed events as a recording, its clock starting at the first one."""
     if events:
         header = {**header, "start_monotonic": events[0].t}
-    with open(path, "w") as f:
-        f.write(json.dumps(header) + "\n")
-        f.writelines(encode_event(e) + "\n" for e in events)
-    return path
+    return Path(write_log(path, header, events))
 
 
 def measured_row(summary: dict, events: list, counters: dict | None = None) -> dict:
@@ -192,7 +190,7 @@ def repredict(saved: dict) -> None:
     saved["predicted_at"] = commit()
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = check_parser(__doc__.splitlines()[0], rate=3.0)
     parser.add_argument("--num-gpu-blocks", type=int, help="vLLM's KV pool in blocks, its null block "
                                                            "included (small: preemptions)")
@@ -208,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --render: predict every point again from the rounds' recordings (the "
                              "code as it is now; the real runs stay as measured)")
     parser.add_argument("--write", action="store_true", help="write the section of docs/whatif.md")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     if args.render:
         saved = json.loads(Path(args.render).read_text())
         if args.repredict:

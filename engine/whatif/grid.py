@@ -3,14 +3,13 @@ each summarised as a row of the table (or JSON) and optionally written as a reco
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchtop.engine.core.knobs import knob
 from batchtop.telemetry import events as ev
-from batchtop.telemetry.recorder import encode_event, make_header
+from batchtop.telemetry.recorder import make_header, write_log
 from batchtop.telemetry.run_stats import MetricsSummary, summarize
 
 from .recording import Recording
@@ -123,10 +122,7 @@ def write_runs(result: WhatIf, out: str) -> list[str]:
                                      "forward": result.model.forward.describe(),
                                      "heldout_mape": result.model.forward.heldout_mape})
         header["start_monotonic"] = 0.0
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(json.dumps(header, separators=(",", ":"), default=str) + "\n")
-            f.writelines(encode_event(e) + "\n" for e in run.events)
-        paths.append(str(path))
+        paths.append(write_log(path, header, run.events))
     return paths
 
 

@@ -4,8 +4,6 @@ as a recording of vLLM 0.32 whose harness set-up is the server's; the client's f
 what-if row's keys; the table's arithmetic and verdicts."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from whatif_helpers import linear_law, synthetic_recording
 
 from batchtop.engine.bench import whatif_vllm
@@ -78,9 +76,8 @@ def test_the_table_gives_a_verdict_only_where_the_error_exceeds_the_measured_spr
 
 
 def test_the_report_renders_from_the_saved_points():
-    args = SimpleNamespace(requests=40, rate=3.0, recorded=4, values="8", budget=64, num_gpu_blocks=None,
-                           omp_threads=None, enforce_eager=True, repeats=1, seed=25, prompt_mean=48,
-                           output_mean=100, max_output=256)
+    args = whatif_vllm.make_parser().parse_args(
+        "--requests 40 --recorded 4 --values 8 --repeats 1 --output-mean 100 --max-output 256".split())
     rnd = {"steps": 100, "wall_s": 20.0, "matching": 100, "identity_steps": 100, "law": "tokens", "mape": 0.1,
            "slowdown": 1.0, "gap": "100 us", "output_tok_s": 50.0, "ttft_p50_s": 0.5, "startup_s": 60.0,
            "round_s": 600.0, "client": {"duration_s": 100.0}}
@@ -102,3 +99,11 @@ def test_the_report_renders_from_the_saved_points():
     again = whatif_vllm.report(args, {**saved, "commit": "aaa111", "predicted_at": "bbb222"})
     assert "The real runs are those of commit aaa111; every prediction was made again from the same " \
            "recordings at commit bbb222" in again
+    pool = whatif_vllm.make_parser().parse_args(
+        "--requests 40 --values 8 --num-gpu-blocks 12 --block-size 32 --max-output 96".split())
+    assert whatif_vllm.options(pool, "m", {}).max_model_len == 256 + 96
+    assert ("--block-size", "32") == whatif_vllm.options(pool, "m", {}).extra_args[-2:]
+    text = whatif_vllm.report(pool, saved)
+    assert text.startswith("## Predicted against measured: vLLM 0.32, a pool of 12 blocks of 32 tokens\n")
+    assert "a pool of 12 blocks of 32 tokens (vLLM's null block included)" in text
+    assert "--num-gpu-blocks 12 --block-size 32 " in text
