@@ -29,8 +29,7 @@ with `header`: a recording's header naming this vLLM; or, for a job with `summar
 of those events (telemetry/run_stats.py's summary, computed here: a what-if that needs only its
 table ships no events). `--serve` keeps one vLLM import for many runs: each stdin line is a job
 (`trace`, `limits`, `scheduler`, `step_time`, `events`, `summary`), each result one line on stdout
-(vLLM's own logging goes to stderr). A guest module: it imports only batchtop's
-telemetry and vLLM.
+(vLLM's own logging goes to stderr). A guest module: it imports only batchtop's telemetry and vLLM.
 """
 
 from __future__ import annotations
