@@ -115,6 +115,22 @@ def test_a_run_summarised_in_the_harness_reads_as_its_events_and_splits_waits_by
     assert recorded and sum(recorded.values()) < sum(waits.values())
 
 
+def test_the_command_records_a_vllm_what_if_only_when_asked_and_its_figures_do_not_change(made, capsys):
+    """`batchtop whatif` on a vLLM recording: with --record the run's events come back and are written as
+    a vLLM recording; without, its summary; the table's figures are the same either way."""
+    rec, _, folder = made
+    out = folder / "cli.jsonl"
+    rows = []
+    for extra in ([], ["--record", str(out)]):
+        assert main(["whatif", rec.path, "--set", "max_num_seqs=2", "--json", *extra]) == 0
+        report = json.loads(capsys.readouterr().out)
+        rows.append({**report["runs"][2], "compute_s": 0})
+        assert report["recorded_to"] == ([str(out)] if extra else [])
+    assert rows[0] == rows[1] and rows[0]["wait_s_by_reason"]["max_num_seqs"] > 0
+    again = read_recording(str(out))
+    assert again.setup.vllm["version"] == "0.32" and again.setup.knobs["max_num_seqs"] == 2
+
+
 def slow_stretch(start_s: float, end_s: float, factor: float) -> dict:
     """A recorded slowdown table: every step `factor` times slower between `start_s` and `end_s`."""
     starts = [i * 0.01 for i in range(400)]
