@@ -14,9 +14,10 @@ import time
 from vllm.v1.request import RequestStatus
 
 from batchtop.engine.vllm.control import set_knob
-from batchtop.engine.vllm.harness import Harness, Limits, TraceRequest, build_scheduler
+from batchtop.engine.vllm.harness import Harness, Limits, TraceRequest, build_scheduler, on_virtual_time
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.state import BatchState
+from batchtop.telemetry.wait_clock import NEXT_STEP, WaitClock
 
 STATUS = {
     RequestStatus.RUNNING: "running",
@@ -515,9 +516,6 @@ def waits_scenario() -> dict:
     wait (from the request's RequestArrived or RequestPreempted), and equals the split a WaitClock gets
     from the events' own AdmissionBlocked stream (what the dashboard runs). A load that waits for the
     row cap, the token budget and the pool, preempts, and aborts requests while they wait."""
-    from batchtop.engine.vllm.harness import on_virtual_time
-    from batchtop.telemetry.wait_clock import NEXT_STEP, WaitClock
-
     limits = Limits(max_num_seqs=3, max_num_batched_tokens=48, num_blocks=14, block_size=16)
     rng = random.Random(3)
     trace = [TraceRequest(arrival_s=0.013 * i, num_prompt_tokens=rng.randint(10, 90),
