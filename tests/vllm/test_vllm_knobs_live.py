@@ -61,9 +61,17 @@ def test_max_num_seqs_lowered_under_load_binds_without_preempting_and_raised_cli
                 for i in range(8)
             ]
 
-            def running_now() -> int:
+            def last_planned() -> ev.StepPlanned | None:
                 planned = [e for e in follower.collect() if isinstance(e, ev.StepPlanned)]
-                return planned[-1].num_running if planned else 0
+                return planned[-1] if planned else None
+
+            def running_now() -> int:
+                last = last_planned()
+                return last.num_running if last else 0
+
+            def waiting_now() -> int:
+                last = last_planned()
+                return last.num_waiting if last else 0
 
             while running_now() < 4:        # the pool's five blocks hold five of them
                 await asyncio.sleep(0.05)
@@ -91,7 +99,11 @@ def test_max_num_seqs_lowered_under_load_binds_without_preempting_and_raised_cli
             async with late:
                 for i in range(20, 24):
                     tasks.append(asyncio.ensure_future(_completion(late, f"Request {i}: tell a story.", 48)))
-                await asyncio.sleep(0.5)
+                # raised once some wait behind the cap (on a loaded machine they reach the scheduler
+                # seconds after they are sent)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and waiting_now() < 2:
+                    await asyncio.sleep(0.05)
                 marks["raised"] = time.monotonic()
                 await asyncio.to_thread(turn, events_url, "max_num_seqs", 8)
                 return await asyncio.gather(*tasks)
