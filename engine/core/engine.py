@@ -24,6 +24,7 @@ from batchtop.telemetry.flight import FlightRecorder
 
 from .admission import Blocked
 from .batch import BatchStep, PersistentBatch
+from . import openmp
 from .config import EngineConfig
 from .knobs import KNOBS, knob
 from .kv_cache import KVCacheManager
@@ -104,6 +105,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        # The load ran torch's parallel ops on this thread; the engine may step on another (EngineLoop),
+        # and this thread's OpenMP workers would make a second team there (engine/core/openmp.py).
+        openmp.release_workers()
 
     # -- events -------------------------------------------------------------------------
 
