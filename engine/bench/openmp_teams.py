@@ -96,8 +96,8 @@ def span(values: list[float]) -> str:
 
 
 def table(results: dict) -> list[str]:
-    lines = ["| rows | one team: ms a step | two teams: ms a step | two / one (medians) | sleeps a step: one | two |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| rows | one team: ms a step | two teams: ms a step | two / one (medians) "
+             "| sleeps a step: one | two |", "|---:|---:|---:|---:|---:|---:|"]
     for n, modes in sorted(results.items()):
         one = [ms for ms, _ in modes["one team"]]
         two = [ms for ms, _ in modes["two teams"]]
@@ -120,7 +120,8 @@ def section(all_results: dict, args, at: str) -> str:
              "torch's OpenMP runtime (libgomp) keeps a team of workers for each thread that ran a parallel "
              "region, and once the process holds more of them than it has CPUs its workers sleep between "
              "regions instead of spinning, so every region of a step pays a wake-up. The building thread "
-             "(as Engine's construction ends) and the starting one (EngineLoop.start) give their workers back: "
+             "(as Engine's construction ends) and the starting one (EngineLoop.start) give their workers "
+             "back: "
              "`one team`, the engine as it runs; `two teams` is the same after one parallel torch op on the "
              "starting thread, what a process gets when the thread that loaded the model keeps its workers. "
              f"Each row count: that many requests of {PROMPT_TOKENS} prompt and {args.output} output tokens "

@@ -22,9 +22,9 @@ from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.flight import FlightRecorder
 
+from . import openmp
 from .admission import Blocked
 from .batch import BatchStep, PersistentBatch
-from . import openmp
 from .config import EngineConfig
 from .knobs import KNOBS, knob
 from .kv_cache import KVCacheManager

@@ -22,7 +22,8 @@ def _libgomp() -> ctypes.CDLL | None:
     """The libgomp this process has loaded (torch's), or None (another OpenMP runtime, another OS)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libgomp" in line and line.rstrip().endswith(".so.1")}
+            paths = {line.split()[-1] for line in maps
+                     if "libgomp" in line and line.rstrip().endswith(".so.1")}
     except OSError:
         return None
     if len(paths) != 1:
