@@ -52,6 +52,12 @@ def test_max_num_seqs_lowered_under_load_binds_without_preempting_and_raised_cli
     base_url, events_url = vllm_server[0].url, vllm_server[1]
     samples: list[tuple[float, float]] = []  # (time, vllm:num_requests_running) while load goes on
     marks: dict[str, float] = {}
+    # from a known state: the cap at 8 and nothing left running or waiting by a test before this one
+    turn(events_url, "max_num_seqs", 8)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (metric(base_url, "vllm:num_requests_running")
+                                           or metric(base_url, "vllm:num_requests_waiting")):
+        time.sleep(0.2)
 
     async def load_and_turn():
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
@@ -73,8 +79,11 @@ def test_max_num_seqs_lowered_under_load_binds_without_preempting_and_raised_cli
                 last = last_planned()
                 return last.num_waiting if last else 0
 
-            while running_now() < 4:        # the pool's five blocks hold five of them
+            deadline = time.monotonic() + 120
+            while running_now() < 4 and time.monotonic() < deadline:   # the pool's five blocks hold five
                 await asyncio.sleep(0.05)
+            assert running_now() >= 4, (f"4 of the 8 requests never ran at once: last plan {last_planned()}, "
+                                        f"max_num_seqs {start_value(events_url, 'max_num_seqs')}")
             marks["lowered"] = time.monotonic()
             await asyncio.to_thread(set_knob, events_url, "max_num_seqs", 2)
             for i in range(8, 20):  # more keep arriving
