@@ -3,13 +3,13 @@
 torch runs its CPU ops (and batchtop's C++ kernels theirs) on libgomp, which keeps a team of worker
 threads for each thread that ever ran a parallel region. When the process holds more of those threads
 than it has CPUs, libgomp stops spinning between regions: a worker sleeps at once and every parallel
-region of a step pays a futex wake-up. The model is loaded (and the engine built) on one
-thread and stepped on another (the dashboard loads on a worker thread that outlives the load), so two
-teams exist. On 2 CPUs that doubled a 1- or 2-row decode step (smollm2 7.2-8.8 against 14.6-18.8 ms,
-300 sleeps a step; 16 rows 1.25x; docs/benchmarks.md, "One OpenMP team"). So the thread that built the
-engine gives its workers back as the build ends, and the thread that starts the engine's thread does so
-again before it starts (OpenMP 5's omp_pause_resource_all; a later parallel region on either makes a new
-team).
+region of a step pays a futex wake-up. The model is loaded (and the engine built) on one thread and
+stepped on another (the dashboard loads on a worker thread that outlives the load), so two teams
+exist. On 2 CPUs that doubled a 1- or 2-row decode step (smollm2 7.2-8.8 against 14.6-18.8 ms, 300
+sleeps a step; 16 rows 1.25x; docs/benchmarks.md, "One OpenMP team"). So the thread that built the
+engine gives its workers back as the build ends, and the thread that starts the engine's thread does
+so again before it starts (OpenMP 5's omp_pause_resource_all; a later parallel region on either makes
+a new team).
 """
 from __future__ import annotations
 
