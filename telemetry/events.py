@@ -68,6 +68,11 @@ class StepFinished(Event):
     num_padded_tokens: int = 0   # tokens computed only to fill a replayed CUDA graph (one per padding row)
     kv_blocks_cached: int = 0    # as StepPlanned's
 
+    @property
+    def step_s(self) -> float:
+        """The step's time from its plan to its update: the phases summed."""
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.update_s
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestArrived(Event):

@@ -120,9 +120,7 @@ def step_records(loaded, prompts, lengths, **config) -> list[tuple[int, int, flo
 
     def sink(event):
         if isinstance(event, ev.StepFinished):
-            records.append((event.num_tokens, len(event.sampled_request_ids),
-                            event.schedule_s + event.prepare_s
-                            + event.forward_s + event.sample_s + event.update_s))
+            records.append((event.num_tokens, len(event.sampled_request_ids), event.step_s))
 
     engine = Engine(EngineConfig(model=loaded.name, **config), loaded=loaded, sink=sink)
     engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])

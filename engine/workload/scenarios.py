@@ -152,9 +152,6 @@ def report(name: str, events: list[ev.Event]) -> str:
         total = sum(e.num_rows for e in part)
         return sum(len(e.sampled_request_ids) for e in part) / total if total else 0.0
 
-    def duration(e):
-        return e.schedule_s + e.prepare_s + e.forward_s + e.sample_s + e.update_s
-
     if name == "static-vs-continuous":
         before, after = [e for e in steps if e.step < cut], [e for e in steps if e.step >= cut]
         return (f"batch utilisation: static {util(before):.3f} over {len(before)} steps, "
@@ -176,13 +173,13 @@ def report(name: str, events: list[ev.Event]) -> str:
             return xs[len(xs) // 2] * 1e3 if xs else float("nan")
 
         def stall(part):
-            decode_only = [duration(e) for e in part if planned[e.step].num_decode_rows
+            decode_only = [e.step_s for e in part if planned[e.step].num_decode_rows
                            and not planned[e.step].prefill_tokens]
             mixed = [e for e in part if planned[e.step].num_decode_rows and planned[e.step].prefill_tokens]
             if not mixed:
                 return "no step with prompt tokens and decode rows"
             most = max(planned[e.step].prefill_tokens for e in mixed)
-            biggest = [duration(e) for e in mixed if planned[e.step].prefill_tokens == most]
+            biggest = [e.step_s for e in mixed if planned[e.step].prefill_tokens == most]
             return (f"{len(biggest)} step(s) of {most} prompt tokens + decode rows took "
                     f"{median(biggest):.1f} ms (median), decode-only steps {median(decode_only):.1f} ms")
         before, after = [e for e in steps if e.step < cut], [e for e in steps if e.step >= cut]
