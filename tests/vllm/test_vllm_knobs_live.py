@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import httpx
+import httpx2
 import openai
 from test_vllm_scheduler import metric, set_knob
 from vllm_helpers import AUTH
@@ -23,6 +24,13 @@ def start_value(events_url: str, name: str):
 def turn(events_url: str, name: str, value) -> None:
     answer = set_knob(events_url, name, value)
     assert answer.status_code == 200, answer.text
+
+
+def _client(base_url: str) -> openai.AsyncOpenAI:
+    """A client that opens a connection per request: the server closes a connection idle for 5 s, and a
+    request sent on a pooled one as it closes fails with a ReadError."""
+    http = openai.DefaultAsyncHttpx2Client(limits=httpx2.Limits(max_keepalive_connections=0))
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, http_client=http)
 
 
 async def _completion(client, prompt: str, max_tokens: int):
@@ -60,7 +68,7 @@ def test_max_num_seqs_lowered_under_load_binds_without_preempting_and_raised_cli
         time.sleep(0.2)
 
     async def load_and_turn():
-        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+        client = _client(base_url)
         async with client:
             tasks = [
                 asyncio.ensure_future(_completion(client, f"Request {i}: tell a story.", 48))
@@ -102,20 +110,17 @@ def test_max_num_seqs_lowered_under_load_binds_without_preempting_and_raised_cli
                     (time.monotonic(), await asyncio.to_thread(metric, base_url, "vllm:num_requests_running"))
                 )
                 await asyncio.sleep(0.2)
-            # a fast machine may have served every request by now: a few more wait behind the cap of 2, on
-            # new connections (the server closes a connection idle for 5 s; reusing one races that)
-            late = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
-            async with late:
-                for i in range(20, 24):
-                    tasks.append(asyncio.ensure_future(_completion(late, f"Request {i}: tell a story.", 48)))
-                # raised once some wait behind the cap (on a loaded machine they reach the scheduler
-                # seconds after they are sent)
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and waiting_now() < 2:
-                    await asyncio.sleep(0.05)
-                marks["raised"] = time.monotonic()
-                await asyncio.to_thread(turn, events_url, "max_num_seqs", 8)
-                return await asyncio.gather(*tasks)
+            # a fast machine may have served every request by now: a few more wait behind the cap of 2
+            for i in range(20, 24):
+                tasks.append(asyncio.ensure_future(_completion(client, f"Request {i}: tell a story.", 48)))
+            # raised once some wait behind the cap (on a loaded machine they reach the scheduler seconds
+            # after they are sent)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and waiting_now() < 2:
+                await asyncio.sleep(0.05)
+            marks["raised"] = time.monotonic()
+            await asyncio.to_thread(turn, events_url, "max_num_seqs", 8)
+            return await asyncio.gather(*tasks)
 
     try:
         responses = asyncio.run(load_and_turn())
@@ -159,7 +164,7 @@ def test_the_budget_and_the_chunk_threshold_lowered_under_long_prompts_bound_the
     turn(events_url, "long_prefill_token_threshold", 32)
 
     async def load():
-        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+        client = _client(base_url)
         async with client:
             return await asyncio.gather(*[_completion(client, f"{i} " + PROMPT, 4) for i in range(4)])
 
