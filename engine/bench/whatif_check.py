@@ -29,6 +29,7 @@ from batchtop.engine.whatif.grid import predict, run_of
 from batchtop.engine.whatif.recording import engine_header, recording_from
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
 from batchtop.engine.workload.arrivals import TraceItem, TraceLoad
+from batchtop.kernels import cpu
 from batchtop.telemetry.recorder import make_header, write_log
 
 from .figures import commit, cpu_name, publish
@@ -194,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def section(args) -> str:
-    return SECTION + (f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else "")
+    """The section of the engine's path (its step cost in rows differs: docs/whatif.md) and pool."""
+    return (SECTION + ("" if cpu.available() else ", torch ops")
+            + (f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else ""))
 
 
 def round_summary(rec, identity, model) -> dict:
@@ -224,7 +227,8 @@ def verdict(err: float | None, measured_spread: float | None, target: float) -> 
 
 def report(args, rounds: list[dict], results: list[dict], seconds: float, load: LoadWatch) -> str:
     pool = f", a pool of {args.num_kv_blocks} blocks of 16 tokens" if args.num_kv_blocks else ""
-    command = ("`python -m batchtop.engine.bench.whatif_check "
+    kernels_off = "" if cpu.available() else "BATCHTOP_CPU_KERNEL=0 "
+    command = (f"`{kernels_off}python -m batchtop.engine.bench.whatif_check "
                f"--requests {args.requests} --rate {args.rate:g} --recorded {args.recorded} "
                f"--values {args.values} --budget {args.budget} "
                + (f"--num-kv-blocks {args.num_kv_blocks} " if args.num_kv_blocks else "")
@@ -248,7 +252,6 @@ def report(args, rounds: list[dict], results: list[dict], seconds: float, load: 
 
 
 def kernels_words() -> str:
-    from batchtop.kernels import cpu
     if cpu.available():
         return "the C++ CPU kernels"
     return f"torch ops (the C++ kernels off: {cpu.unavailable_reason()})"
