@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import threading
 import time
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--refresh", default=f"{LIVE_REFRESH_S:g},0.1",
                         help="comma-separated redraw periods to compare (default: batchtop's own, and 0.1 s)")
@@ -104,30 +105,32 @@ def main(argv=None) -> int:
         default = ", the default" if period == LIVE_REFRESH_S else ""
         return f"dashboard + recorder, redraw every {period:g} s{default}"
 
-    best = {"recorder only": float("inf"), **{label(p): float("inf") for p in periods}}
+    runs: dict[str, list[float]] = {"recorder only": [], **{label(p): [] for p in periods}}
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(args.rounds):
-            best["recorder only"] = min(best["recorder only"],
-                                        run_recorder_only(loaded, prompts, lengths, config, folder))
+            runs["recorder only"].append(run_recorder_only(loaded, prompts, lengths, config, folder))
             for period in periods:
-                best[label(period)] = min(best[label(period)],
-                                          run_with_dashboard(loaded, prompts, lengths, config,
-                                                             folder, period))
-            print({k: round(v, 2) for k, v in best.items()}, flush=True)
+                seconds = run_with_dashboard(loaded, prompts, lengths, config, folder, period)
+                runs[label(period)].append(seconds)
+            print({k: [round(v, 2) for v in vs] for k, vs in runs.items()}, flush=True)
     useful = sum(lengths)
-    base = best["recorder only"]
+    base = statistics.median(runs["recorder only"])
     lines = [SECTION, "",
-             f"`python -m batchtop.tui.bench`, {args.model} fp32, {args.threads} threads, "
+             f"`python -m batchtop.tui.bench --rounds {args.rounds}`, {args.model} fp32, "
+             f"{args.threads} threads, "
              f"{time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()}: {len(prompts)} requests of the "
              f"engine trace ({useful} output "
              "tokens) through the engine thread, with the recorder alone and with the dashboard (headless "
              "Textual run at 120x40, polling at 10 Hz, redrawing at most once per period while events flow) "
-             f"attached and recording; alternated {args.rounds} times, best of each.", "",
-             "| listeners | wall s | out tok/s | throughput kept |", "|---|---:|---:|---:|"]
-    for name, seconds in best.items():
-        lines.append(f"| {name} | {seconds:.2f} | {useful / seconds:.1f} | {base / seconds:.1%} |")
-    lines += ["", "The run-to-run noise of this VM is several percent either way (the same configuration "
-              "alternated differs by up to ~10%), so only a drop beyond that is a cost."]
+             f"attached and recording; alternated {args.rounds} times: the median and the range.", "",
+             "| listeners | wall s | range | out tok/s | throughput kept |", "|---|---:|---:|---:|---:|"]
+    for name, seconds in runs.items():
+        median = statistics.median(seconds)
+        lines.append(f"| {name} | {median:.2f} | {min(seconds):.2f}-{max(seconds):.2f} "
+                     f"| {useful / median:.1f} | {base / median:.1%} |")
+    spread = (max(runs["recorder only"]) - min(runs["recorder only"])) / base
+    lines += ["", f"The recorder-only runs spread {spread:.0%} (range over median): a difference within the "
+              "runs' ranges is not a cost this run can resolve."]
     text = "\n".join(lines) + "\n"
     return publish(SECTION, text, write=not args.no_write)
 
