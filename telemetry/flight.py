@@ -141,10 +141,12 @@ def dump_all(reason: str, error: str | None = None) -> list[str]:
 
 def install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
     """On each of `signals`, dump every live recorder, then do what the signal did before
-    (SIGINT: KeyboardInterrupt; SIGTERM: end the process). Main thread only; idempotent."""
+    (SIGINT: KeyboardInterrupt; SIGTERM: end the process). A signal the process was started with
+    ignored (nohup, a shell's background job) stays ignored: it does not end the process, so it is no
+    reason to write a log. Main thread only; idempotent."""
     for signum in signals:
         previous = signal.getsignal(signum)
-        if previous is not _on_signal:
+        if previous is not _on_signal and previous != signal.SIG_IGN:
             _previous_handlers[signum] = previous
             signal.signal(signum, _on_signal)
 

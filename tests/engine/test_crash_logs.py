@@ -82,9 +82,9 @@ def _record(tmp_path, *extra):
 
 
 def _sigint_as_from_a_terminal() -> None:
-    """A child inherits an ignored SIGINT, and Python then leaves it ignored: under a pytest that ignores it
-    the recording dumped its flight log on the signal and ran on to its --duration (the SIGINT test took
-    128 s there, against 7.5 s with SIGINT at its default)."""
+    """A child inherits an ignored SIGINT (a pytest started as a shell's background job), and then neither
+    Python nor the flight recorder acts on it: the recording would run on to its --duration. Ctrl+C is
+    tested as it comes from a terminal."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -140,6 +140,18 @@ def test_record_on_a_signal_writes_the_flight_log_and_says_where(tmp_path, signu
         with LogReader(out) as reader:
             assert list(reader) and not reader.truncated
         assert "recorded" in err
+
+
+def test_a_signal_the_process_was_started_ignoring_stays_ignored():
+    """nohup and a shell's background job start a process with SIGINT ignored: the handlers leave it so (the
+    signal does not end the process, so it is no reason for a flight log), and take a signal at its
+    default."""
+    code = ("import signal; from batchtop.telemetry import flight; flight.install_signal_handlers(); "
+            "print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN, "
+            "signal.getsignal(signal.SIGTERM) is flight._on_signal)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert done.stdout.split() == ["True", "True"], done.stderr
 
 
 def test_batchtop_exiting_with_an_error_writes_the_flight_log(tmp_path, monkeypatch, capsys):
