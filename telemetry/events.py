@@ -15,7 +15,8 @@ from dataclasses import dataclass, fields
 # 2: named fields, row kinds, blocks, snapshots, admission, failed steps, graph padding
 # 3: prefix caching: cached tokens and the miss reason at admission, cached and evicted blocks, the
 #    pool's cached (evictable) blocks
-SCHEMA_VERSION = 3
+# 4: RequestArrived's since_arrival_s
+SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,10 +77,18 @@ class StepFinished(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestArrived(Event):
+    """Taken in by the engine between steps; the request arrived `since_arrival_s` before (a server
+    receives it while a step runs). Its TTFT and end-to-end time count from that arrival."""
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     priority: int
+    since_arrival_s: float = 0.0
+
+    @property
+    def arrival_t(self) -> float:
+        """When the request arrived, on the events' clock."""
+        return self.t - self.since_arrival_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

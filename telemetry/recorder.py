@@ -28,7 +28,7 @@ from .bus import EventBus, EventLog, Subscription
 from .events import SCHEMA_VERSION, Event, event_from_dict
 
 HEADER_KIND = "Header"
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, SCHEMA_VERSION})
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3, SCHEMA_VERSION})
 
 # Version 1 lacked: StepPlanned's recompute split (its prefill counted recompute), PrefillChunk's
 # recompute flag, RequestAdmitted's / RequestRetired's wait split, RequestRetired's num_blocks and
@@ -52,6 +52,9 @@ _V2_DEFAULTS = {
                         "evicted_ago_s": 0.0, "prefix_id": ""},
 }
 
+# Version 3 took a request's arrival to be the event that took it in.
+_V3_DEFAULTS = {"RequestArrived": {"since_arrival_s": 0.0}}
+
 
 def upgrade_v1(data: dict) -> dict:
     """A version-1 event dict in the version-2 schema."""
@@ -60,8 +63,14 @@ def upgrade_v1(data: dict) -> dict:
 
 
 def upgrade_v2(data: dict) -> dict:
-    """A version-2 event dict in the current schema."""
+    """A version-2 event dict in the version-3 schema."""
     defaults = _V2_DEFAULTS.get(data.get("kind"))
+    return {**defaults, **data} if defaults else data
+
+
+def upgrade_v3(data: dict) -> dict:
+    """A version-3 event dict in the current schema."""
+    defaults = _V3_DEFAULTS.get(data.get("kind"))
     return {**defaults, **data} if defaults else data
 
 
@@ -93,6 +102,8 @@ def event_of(data: dict, schema_version: int = SCHEMA_VERSION) -> Event:
         data = upgrade_v1(data)
     if schema_version <= 2:
         data = upgrade_v2(data)
+    if schema_version <= 3:
+        data = upgrade_v3(data)
     return event_from_dict(data)
 
 

@@ -12,7 +12,7 @@ seconds" for a live dashboard. Definitions (also in docs/events.md):
 - TTFT: FirstToken.ttft_s. TPOT per request with >= 2 output tokens:
   (RequestRetired.t - FirstToken.t) / (num_output_tokens - 1).
   ITL: gaps between consecutive StepFinished.t in which the request sampled.
-  E2E: RequestRetired.t - RequestArrived.t.
+  E2E: RequestRetired.t - RequestArrived.arrival_t (its t less since_arrival_s).
 - batch utilisation: sum len(sampled_request_ids) / sum StepFinished.num_rows.
 - peak KV: the largest StepFinished.kv_blocks_used / kv_blocks_total.
 - recompute tax: sum tokens_to_recompute (preempted + retracted)
@@ -229,7 +229,7 @@ class Metrics:
 
     def _on_arrived(self, e: RequestArrived) -> None:
         rec = self._record(e.request_id)
-        rec.arrival_t = e.t
+        rec.arrival_t = e.arrival_t
         rec.num_prompt_tokens = e.num_prompt_tokens
 
     def _on_admitted(self, e: RequestAdmitted) -> None:

@@ -306,7 +306,7 @@ class DashboardModel:
 
     def _on_arrived(self, e: RequestArrived) -> None:
         req = self._request(e.request_id)
-        req.num_prompt_tokens, req.max_tokens, req.arrival_t = e.num_prompt_tokens, e.max_tokens, e.t
+        req.num_prompt_tokens, req.max_tokens, req.arrival_t = e.num_prompt_tokens, e.max_tokens, e.arrival_t
         req.wait_mark = self.wait_clock.mark(e.t)
         req.note(e.step, e.t, f"arrived: {e.num_prompt_tokens} prompt tokens, max {e.max_tokens}")
 

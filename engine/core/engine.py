@@ -175,7 +175,8 @@ class Engine:
         self.scheduler.add(request)
         self._emit(ev.RequestArrived, request_id=request.request_id,
                    num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.sampling.max_tokens,
-                   priority=request.priority)
+                   priority=request.priority,
+                   since_arrival_s=max(0.0, time.monotonic() - request.arrival_time))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (a long-running engine calls this once its result is read)."""

@@ -162,7 +162,7 @@ class ServerMetrics:
             elif kind is ev.AdmissionBlocked:
                 self._set_blocked(e.reason)
             elif kind is ev.RequestArrived:
-                self._arrival[e.request_id] = (e.t, e.num_prompt_tokens)
+                self._arrival[e.request_id] = (e.arrival_t, e.num_prompt_tokens)
                 self._num_waiting += 1
                 self.waiting.set(self._num_waiting)
             elif kind is ev.FirstToken:

@@ -63,7 +63,7 @@ def timelines(events) -> dict[str, Timeline]:
     for e in events:
         kind = type(e)
         if kind is ev.RequestArrived:
-            runs[e.request_id] = Timeline(e.request_id, e.num_prompt_tokens, ns(e.t))
+            runs[e.request_id] = Timeline(e.request_id, e.num_prompt_tokens, ns(e.arrival_t))
             continue
         timeline = runs.get(getattr(e, "request_id", None))
         if timeline is None:

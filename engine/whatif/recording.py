@@ -135,13 +135,13 @@ def _trace(path: str, events: list[ev.Event], t0: float) -> list[TraceRequest]:
     for request_id, a in arrived.items():
         r = retired.get(request_id)
         if r is None:
-            requests.append(TraceRequest(request_id, a.t - t0, a.num_prompt_tokens, a.max_tokens, a.priority,
-                                         a.max_tokens, "unfinished", None))
+            requests.append(TraceRequest(request_id, a.arrival_t - t0, a.num_prompt_tokens, a.max_tokens,
+                                         a.priority, a.max_tokens, "unfinished", None))
             continue
         aborted = r.reason in QUEUE_EXITS
-        requests.append(TraceRequest(request_id, a.t - t0, a.num_prompt_tokens, a.max_tokens, a.priority,
-                                     a.max_tokens if aborted else max(1, r.num_output_tokens), r.reason,
-                                     r.t - a.t if aborted else None))
+        requests.append(TraceRequest(request_id, a.arrival_t - t0, a.num_prompt_tokens, a.max_tokens,
+                                     a.priority, a.max_tokens if aborted else max(1, r.num_output_tokens),
+                                     r.reason, r.t - a.arrival_t if aborted else None))
     return requests
 
 

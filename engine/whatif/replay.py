@@ -24,8 +24,8 @@ from .steptime import GapSample, StepTimeModel, fit_model
 from .virtual import PhaseTimes, StepShape, VirtualEngine
 
 LOOP_POLL_S = 0.002         # the engine loop's wait while a dynamic batch forms
-# A recorded arrival is stamped at the step boundary where the loop took it in; a replay's boundary a
-# rounding error before it still takes it in.
+# A request is taken in at the first step boundary at or after its arrival; the identity replay's
+# boundary, a rounding error before the recorded take-in, still takes it in.
 ARRIVAL_TOLERANCE_S = 1e-9
 MAX_IDLE_POLLS = 1_000_000
 

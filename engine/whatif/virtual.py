@@ -95,16 +95,18 @@ class VirtualEngine:
     # -- between steps --------------------------------------------------------------------
 
     def add(self, item: TraceRequest, now: float) -> None:
+        """Take in a request that arrived at `item.arrival_s` (at or before `now`, a step boundary)."""
         self.now = now
         request = Request(item.request_id, [PROMPT_TOKEN] * item.num_prompt_tokens,
-                          SamplingParams(max_tokens=item.max_tokens), now, priority=item.priority,
-                          arrival_seq=len(self.requests))
+                          SamplingParams(max_tokens=item.max_tokens), min(now, item.arrival_s),
+                          priority=item.priority, arrival_seq=len(self.requests))
         self.requests[item.request_id] = request
         if item.stops:
             self._stops_at[item.request_id] = item.num_output_tokens
         self.scheduler.add(request)
         self._emit(ev.RequestArrived, request_id=item.request_id, num_prompt_tokens=item.num_prompt_tokens,
-                   max_tokens=item.max_tokens, priority=item.priority)
+                   max_tokens=item.max_tokens, priority=item.priority,
+                   since_arrival_s=now - request.arrival_time)
 
     def abort(self, request_id: str, now: float, reason: str = "abort") -> bool:
         request = self.requests.get(request_id)
