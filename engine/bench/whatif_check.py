@@ -265,7 +265,7 @@ def recordings_table(rounds: list[dict]) -> list[str]:
     for i, r in enumerate(rounds, 1):
         lines.append(f"| {i} | {r['steps']} | {r['wall_s']:.1f} s | {r['matching']} of {r['identity_steps']} "
                      f"| {r['law']} | {r['mape']:.1%} | {r['slowdown']:.2f}x | {r['gap']} "
-                     f"| {r['output_tok_s']:.1f} | {_fmt(r['ttft_p50_s'], 'ttft_p50_s')} |")
+                     f"| {r['output_tok_s']:.1f} | {format_value(r['ttft_p50_s'], 'ttft_p50_s')} |")
     return lines
 
 
@@ -299,14 +299,15 @@ def comparison_table(results: list[dict]) -> list[str]:
                 continue
             err = error(p_median, m_median)
             m_spread = spread(measured)
-            lines.append(f"| {knobs} | {label} | {_fmt(p_median, key)} | {_fmt_share(spread(predicted))} | "
-                         f"{_fmt(m_median, key)} | {_fmt_share(m_spread)} | "
+            lines.append(f"| {knobs} | {label} | {format_value(p_median, key)} | "
+                         f"{_fmt_share(spread(predicted))} | {format_value(m_median, key)} | "
+                         f"{_fmt_share(m_spread)} | "
                          f"{'-' if err is None else f'{err:+.0%}'} | {verdict(err, m_spread, target)} | "
                          f"{target:.0%} |")
     return lines
 
 
-def _fmt(value, key: str) -> str:
+def format_value(value, key: str) -> str:
     if value is None:
         return "-"
     if key.endswith("_s") and key != "output_tok_s":

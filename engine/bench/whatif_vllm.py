@@ -22,12 +22,13 @@ import json
 import random
 import socket
 import time
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
 import httpx
 
-from batchtop.engine.vllm.launch import VllmOptions, launch_vllm, shell_line
+from batchtop.engine.vllm.launch import LaunchedServer, VllmOptions, launch_vllm, shell_line
 from batchtop.engine.whatif.grid import run_of
 from batchtop.engine.whatif.recording import read_recording
 from batchtop.engine.whatif.vllm_replay import HarnessProcess, predict_through_harness, whatif_vllm
@@ -75,9 +76,10 @@ async def replay(backend, trace, requests: list[BenchRequest]) -> tuple[list[Req
     return list(results), time.perf_counter() - start - (trace[0].arrival_s if trace else 0.0)
 
 
-def replay_over_http(base_url: str, trace, requests) -> tuple[list[RequestResult], float]:
+def replay_over_http(base_url: str, trace, requests,
+                     model: str = "smollm2") -> tuple[list[RequestResult], float]:
     async def go():
-        backend = OpenAIBackend(base_url, "smollm2", ignore_eos=True)
+        backend = OpenAIBackend(base_url, model, ignore_eos=True)
         try:
             return await replay(backend, trace, requests)
         finally:
@@ -115,6 +117,16 @@ def measured_row(summary: dict, events: list, counters: dict | None = None) -> d
             "server": {k: v for k, v in server.items() if k not in ("wait_s_by_reason", "knobs")}}
 
 
+def add_measured(point: dict, run: dict, round_number: int, started: float) -> None:
+    """A real run's row (`run_launched`'s answer) into its point, and a progress line."""
+    point["measured"].append({**measured_row(run["summary"], run["events"], run["counters"]),
+                              "startup_s": run["startup_s"]})
+    print(json.dumps({"round": round_number, "knobs": point["knobs"], "startup_s": round(run["startup_s"], 1),
+                      "predicted_tok_s": point["predicted"][-1]["output_tok_s"],
+                      "measured_tok_s": point["measured"][-1]["output_tok_s"],
+                      "elapsed_min": round((time.time() - started) / 60, 1)}), flush=True)
+
+
 def wait_port_free(port: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -144,19 +156,25 @@ def options(args, model: str, knobs: dict) -> VllmOptions:
 
 
 def run_server(opts: VllmOptions, trace, requests, log_path: Path, load: LoadWatch) -> dict:
-    """One launch: the trace replayed, the server's events from its first step; the server always stopped.
-    The load average is read as the trace starts and ends."""
-    for port in (opts.port, opts.events_port):
+    """One vLLM launch through `run_launched`, its events from batchtop's side endpoint."""
+    return run_launched(lambda: launch_vllm(opts, log_path=log_path), (opts.port, opts.events_port),
+                        f"http://127.0.0.1:{opts.events_port}", trace, requests, load)
+
+
+def run_launched(start: Callable[[], LaunchedServer], ports: tuple[int, ...], events_url: str, trace,
+                 requests, load: LoadWatch, model: str = "smollm2") -> dict:
+    """One launch (`start()`, on `ports`): the trace replayed, the server's events (from `events_url`) from
+    its first step; the server always stopped. The load average is read as the trace starts and ends."""
+    for port in ports:
         wait_port_free(port)
-    server = launch_vllm(opts, log_path=log_path)
+    server = start()
     try:
         startup_s = server.wait_healthy(600)
-        events_url = f"http://127.0.0.1:{opts.events_port}"
         state = httpx.get(events_url + "/v1/knobs", timeout=30).json()
         follower = EventFollower(events_url, keep=True, from_step=0)
         time.sleep(1.0)         # joined before the first arrival: its snapshot (of nothing) comes first
         load.read()
-        results, duration = replay_over_http(server.url, trace, requests)
+        results, duration = replay_over_http(server.url, trace, requests, model)
         load.read()
         follower.settle(quiet_s=1.0, timeout_s=30.0)
         counters = server_counters(server.url)
@@ -164,7 +182,7 @@ def run_server(opts: VllmOptions, trace, requests, log_path: Path, load: LoadWat
                 "events": list(follower.events), "counters": counters}
     finally:
         server.stop()
-        for port in (opts.port, opts.events_port):
+        for port in ports:
             wait_port_free(port)
 
 
@@ -251,12 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                              load)
             # the real run as a recording too: `batchtop diff` of it against the prediction parts the error
             write_recording(out / f"round{r + 1}-{name}.jsonl", vllm_header(run["state"]), run["events"])
-            point["measured"].append({**measured_row(run["summary"], run["events"], run["counters"]),
-                                      "startup_s": run["startup_s"]})
-            print(json.dumps({"round": r + 1, "knobs": changed, "startup_s": round(run["startup_s"], 1),
-                              "predicted_tok_s": point["predicted"][-1]["output_tok_s"],
-                              "measured_tok_s": point["measured"][-1]["output_tok_s"],
-                              "elapsed_min": round((time.time() - saved["started"]) / 60, 1)}), flush=True)
+            add_measured(point, run, r + 1, saved["started"])
             saved["seconds"] = time.time() - saved["started"]
             saved["load"] = load.readings
             saved["rounds"][-1]["round_s"] = time.time() - round_started

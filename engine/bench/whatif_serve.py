@@ -1,0 +1,198 @@
+"""What-if predictions against real runs on `batchtop serve`: whatif_check's trace and table, with a
+launched server (the default model) as the engine and the vLLM check's HTTP client as the load.
+
+    .venv/bin/python -m batchtop.engine.bench.whatif_serve --requests 300 --rate 5 --prompt-mean 16
+        --output-mean 48 --repeats 3 --write
+
+(one command, the published run: requests wait at 4 rows and not from 8; the default 16/s overloads
+every point).
+
+Each round launches `batchtop serve` at the recorded max_num_seqs, replays the fixed trace with one
+streaming client (completions, token-id prompts, ignore_eos, max_tokens the trace's output length, each
+request sent at its arrival time) while following the server's event stream from its first step, and
+writes those events as a recording (the header's `engine` entry from the server's `/v1/knobs`, as
+`batchtop record URL` writes it). batchtop's scheduler on a virtual clock predicts every point from that
+recording (what `batchtop whatif REC --set ...` runs); then each point is launched and replayed once with
+the same client, in alternating order from round to round (each real run kept as a recording too).
+Measured TTFT, ITL and throughput are the client's; preemptions the server's events. A server's startup
+(the model's load) is not in its figures. Writes its section of docs/whatif.md.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from batchtop.engine.vllm.launch import LaunchedServer
+from batchtop.engine.whatif.grid import predict
+from batchtop.engine.whatif.recording import read_recording
+from batchtop.engine.whatif.replay import fit_steps, replay_identity
+from batchtop.telemetry.recorder import make_header
+
+from .figures import commit, cpu_name, publish
+from .whatif_check import (
+    DOC,
+    LoadWatch,
+    check_parser,
+    comparison_table,
+    error,
+    format_value,
+    kernels_words,
+    recordings_table,
+    round_summary,
+    trace_flags,
+    trace_of,
+    trace_words,
+)
+from .whatif_vllm import (
+    add_measured,
+    load_words,
+    measured_row,
+    run_launched,
+    trace_requests,
+    write_recording,
+)
+
+SECTION = "## Predicted against measured: batchtop serve"
+PORT = 8190
+
+
+def serve_command(args, knobs: dict) -> list[str]:
+    """`batchtop serve` at the recorded knobs with `knobs` changed (the words after `batchtop`), without
+    prefix caching (a recording carries token counts, not tokens: a what-if cannot replay prefix hits)."""
+    command = ["serve", "--model", args.model, "--port", str(args.port),
+               "--max-num-seqs", str(knobs.get("max_num_seqs", args.recorded)), "--no-enable-prefix-caching"]
+    if "max_num_batched_tokens" in knobs:
+        command += ["--max-num-batched-tokens", str(knobs["max_num_batched_tokens"])]
+    if args.num_kv_blocks:
+        command += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    return command
+
+
+def run_serve(args, knobs: dict, trace, requests, log_path: Path, load: LoadWatch) -> dict:
+    """One launch of `batchtop serve` replaying the trace (`whatif_vllm.run_launched`)."""
+    url = f"http://127.0.0.1:{args.port}"
+    command = [sys.executable, "-m", "batchtop.tui.cli", *serve_command(args, knobs)]
+    return run_launched(lambda: LaunchedServer(command, url, log_path=log_path), (args.port,), url, trace,
+                        requests, load, model=args.model)
+
+
+def serve_header(state: dict) -> dict:
+    """A recording's header from batchtop serve's `/v1/knobs`: its knobs and its engine's set-up."""
+    return make_header(state.get("model"), state["knobs"], engine=state["engine_setup"])
+
+
+def make_parser():
+    parser = check_parser(__doc__.splitlines()[0], rate=16.0)
+    parser.add_argument("--model", default="smollm2", help="the model batchtop serve loads")
+    parser.add_argument("--port", type=int, default=PORT, help="the port every launched server listens on")
+    parser.add_argument("--num-kv-blocks", type=int, help="the KV pool in blocks of 16 (small: preemptions)")
+    parser.add_argument("--out", default="/tmp/batchtop-whatif-serve", help="recordings and server logs")
+    parser.add_argument("--json", help="the raw points, rewritten after every run")
+    parser.add_argument("--render", metavar="JSON", help="only write the section from a --json file")
+    parser.add_argument("--write", action="store_true", help="write the section of docs/whatif.md")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.render:
+        return publish(section(args), report(args, json.loads(Path(args.render).read_text())),
+                       write=args.write, doc=DOC)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = trace_of(args)
+    requests = trace_requests(trace, args.seed)
+    load = LoadWatch()
+    points = [{"max_num_seqs": int(v)} for v in args.values.split(",") if v]
+    points.append({"max_num_batched_tokens": args.budget})
+    saved = {"started": time.time(), "commit": commit(), "kernels": kernels_words(),
+             "command": shlex.join(["batchtop", *serve_command(args, {})]), "rounds": [],
+             "points": [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []}
+                        for changed in points]}
+    for r in range(args.repeats):
+        path = out / f"round{r + 1}.jsonl"
+        real = run_serve(args, {}, trace, requests, out / f"round{r + 1}-recorded.log", load)
+        write_recording(path, serve_header(real["state"]), real["events"])
+        rec = read_recording(str(path))
+        identity = replay_identity(rec)
+        model = fit_steps(rec, identity)
+        saved["rounds"].append({**round_summary(rec, identity, model), "path": str(path),
+                                "startup_s": real["startup_s"], "client": measured_row(real["summary"], [])})
+        order = list(enumerate(points))
+        for i, changed in order[::-1] if r % 2 else order:
+            point = saved["points"][i]
+            began = time.perf_counter()
+            point["predicted"].append(predict(rec, model, changed).row())
+            point["compute_s"].append(time.perf_counter() - began)
+            name = "-".join(f"{k}={v}" for k, v in changed.items())
+            run = run_serve(args, changed, trace, requests, out / f"round{r + 1}-{name}.log", load)
+            write_recording(out / f"round{r + 1}-{name}.jsonl", serve_header(run["state"]), run["events"])
+            add_measured(point, run, r + 1, saved["started"])
+            saved["seconds"], saved["load"] = time.time() - saved["started"], load.readings
+            if args.json:
+                Path(args.json).write_text(json.dumps(saved, default=str))
+    return publish(section(args), report(args, saved), write=args.write, doc=DOC)
+
+
+def section(args) -> str:
+    return SECTION + (f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else "")
+
+
+def report(args, saved: dict) -> str:
+    rounds, results = saved["rounds"], saved["points"]
+    pool = f", a pool of {args.num_kv_blocks} blocks of 16 tokens" if args.num_kv_blocks else ""
+    command = ("`.venv/bin/python -m batchtop.engine.bench.whatif_serve "
+               f"--requests {args.requests} --rate {args.rate:g} --recorded {args.recorded} "
+               f"--values {args.values} --budget {args.budget} "
+               + (f"--model {args.model} " if args.model != "smollm2" else "")
+               + (f"--num-kv-blocks {args.num_kv_blocks} " if args.num_kv_blocks else "")
+               + trace_flags(args) + f"--repeats {args.repeats} --write`")
+    startup = [r["startup_s"] for r in rounds] + [m["startup_s"] for p in results for m in p["measured"]]
+    lines = [section(args), "",
+             f"{date.today().isoformat()}, commit {saved['commit']}, {cpu_name()}, {load_words(saved)}, "
+             f"{args.model}, {saved['kernels']}. Command: {command} ({saved['seconds'] / 60:.0f} min). Each "
+             f"server: `{saved['command']}` (the point's `--max-num-seqs`, or `--max-num-batched-tokens`; "
+             f"each healthy {min(startup):.0f}-{max(startup):.0f} s after its launch).", "",
+             f"Trace: {trace_words(args)}; prompts random token ids, `ignore_eos`, no prefix caching{pool}; "
+             "one streaming completions client sends each request at its arrival time, in this process "
+             f"beside the server's. {args.repeats} rounds, each: the server launched at "
+             f"max_num_seqs={args.recorded} and the trace recorded from its event stream, every point "
+             "predicted from that recording by batchtop's scheduler on a virtual clock (as `batchtop "
+             "whatif REC --set max_num_seqs=...` does), then each point launched and run once for real "
+             "(the points in alternating order from round to round). Measured TTFT, ITL and throughput "
+             "are the client's, preemptions the server's events. The recordings:", "",
+             *recordings_table(rounds), "", *comparison_table(results), "", *server_table(results)]
+    speed = [s for p in results for s in p["compute_s"]]
+    wall = [r["wall_s"] for r in rounds]
+    lines += ["", f"What-if compute time per point: {min(speed):.2f}-{max(speed):.2f} s for {args.requests} "
+                  f"requests, against {min(wall):.1f}-{max(wall):.1f} s recorded."]
+    return "\n".join(lines)
+
+
+def server_table(results: list[dict]) -> list[str]:
+    """The latencies against the server's own figures (its events), beside the client's: what the HTTP path
+    adds, which no recording of the engine shows."""
+    lines = ["The same latencies against the server's own figures (from its events: from a request's arrival "
+             "at the engine to its tokens, without the HTTP request and the stream), medians over the "
+             "rounds:", "",
+             "| knobs | metric | predicted | server | error against the server | client |",
+             "|---|---|---|---|---|---|"]
+    for point in results:
+        knobs = ", ".join(f"{k}={v}" for k, v in point["knobs"].items())
+        for label, key in (("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"), ("ITL p50", "itl_p50_s")):
+            predicted = statistics.median(p[key] for p in point["predicted"])
+            server = statistics.median(m["server"][key] for m in point["measured"])
+            client = statistics.median(m[key] for m in point["measured"])
+            lines.append(f"| {knobs} | {label} | {format_value(predicted, key)} | "
+                         f"{format_value(server, key)} | {error(predicted, server):+.0%} | "
+                         f"{format_value(client, key)} |")
+    return lines
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

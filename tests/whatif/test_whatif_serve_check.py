@@ -1,0 +1,55 @@
+"""The batchtop-serve leg of the predicted-against-measured check (engine/bench/whatif_serve.py), run for
+real at a small scale: `batchtop serve --model tiny` launched at the recorded knobs and at another budget,
+the trace replayed by the HTTP client while the event stream is recorded; the recording reads back with
+the server's set-up and the trace's requests, replays step for step, and every server is gone after."""
+from __future__ import annotations
+
+import json
+import socket
+
+from batchtop.engine.bench import whatif_serve
+from batchtop.engine.bench.whatif_check import make_trace
+from batchtop.engine.whatif.recording import read_recording
+
+NUM_REQUESTS = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_small_check_on_batchtop_serve_records_predicts_and_measures(tmp_path, capsys):
+    port = _free_port()
+    argv = [*f"--model tiny --port {port} --requests {NUM_REQUESTS} --rate 40 --recorded 2".split(),
+            "--values", "", "--budget", "32", "--repeats", "1", "--out", str(tmp_path),
+            "--json", str(tmp_path / "points.json")]
+    assert whatif_serve.main(argv) == 0
+    saved = json.loads((tmp_path / "points.json").read_text())
+
+    rec = read_recording(str(tmp_path / "round1.jsonl"))
+    assert rec.setup.assumed == () and rec.setup.knobs["max_num_seqs"] == 2
+    trace = make_trace(NUM_REQUESTS, 40, 25)
+    assert sorted(r.num_prompt_tokens for r in rec.requests) == sorted(i.prompt_tokens for i in trace)
+    assert sorted(r.num_output_tokens for r in rec.requests) == sorted(i.output_tokens for i in trace)
+    [round1] = saved["rounds"]
+    assert round1["matching"] == round1["identity_steps"] == round1["steps"] > 0   # step for step
+    assert round1["client"]["completed"] == NUM_REQUESTS and round1["client"]["failed"] == 0
+
+    [point] = saved["points"]
+    [measured], [predicted] = point["measured"], point["predicted"]
+    assert point["knobs"] == {"max_num_batched_tokens": 32}
+    assert measured["completed"] == NUM_REQUESTS and measured["failed"] == 0
+    assert predicted["output_tok_s"] > 0 and measured["output_tok_s"] > 0
+    # the real run ran at the point's knobs: the server's own recording says so, and so do its steps
+    real = read_recording(str(tmp_path / "round1-max_num_batched_tokens=32.jsonl"))
+    assert real.setup.knobs["max_num_batched_tokens"] == 32 and real.setup.knobs["max_num_seqs"] == 2
+    assert max(s.num_tokens for s in real.steps) <= 32 < max(s.num_tokens for s in rec.steps)
+
+    with socket.socket() as s:                         # every server stopped, its port free again
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    section = capsys.readouterr().out
+    assert "\n" + whatif_serve.SECTION + "\n" in section
+    assert "| max_num_batched_tokens=32 | output tok/s |" in section
