@@ -29,7 +29,6 @@ from pathlib import Path
 
 from batchtop.engine.vllm.launch import LaunchedServer
 from batchtop.engine.whatif.grid import predict
-from batchtop.engine.whatif.recording import read_recording
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
 from batchtop.telemetry.recorder import make_header
 
@@ -49,12 +48,10 @@ from .whatif_check import (
     trace_words,
 )
 from .whatif_vllm import (
-    add_measured,
     load_words,
-    measured_row,
     run_launched,
+    run_rounds,
     trace_requests,
-    write_recording,
 )
 
 SECTION = "## Predicted against measured: batchtop serve"
@@ -86,6 +83,18 @@ def serve_header(state: dict) -> dict:
     return make_header(state.get("model"), state["knobs"], engine=state["engine_setup"])
 
 
+def predict_points(rec, points: list[dict]) -> tuple[dict, list[tuple[dict, float]]]:
+    """Every point predicted from the recording by batchtop's scheduler on a virtual clock (as `batchtop
+    whatif REC --set` runs it), each timed: the round's summary, every point's row and seconds."""
+    identity = replay_identity(rec)
+    model = fit_steps(rec, identity)
+    rows = []
+    for changed in points:
+        began = time.perf_counter()
+        rows.append((predict(rec, model, changed).row(), time.perf_counter() - began))
+    return round_summary(rec, identity, model), rows
+
+
 def make_parser():
     parser = check_parser(__doc__.splitlines()[0], rate=16.0)
     parser.add_argument("--model", default="smollm2", help="the model batchtop serve loads")
@@ -114,28 +123,9 @@ def main(argv: list[str] | None = None) -> int:
              "command": shlex.join(["batchtop", *serve_command(args, {})]), "rounds": [],
              "points": [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []}
                         for changed in points]}
-    for r in range(args.repeats):
-        path = out / f"round{r + 1}.jsonl"
-        real = run_serve(args, {}, trace, requests, out / f"round{r + 1}-recorded.log", load)
-        write_recording(path, serve_header(real["state"]), real["events"])
-        rec = read_recording(str(path))
-        identity = replay_identity(rec)
-        model = fit_steps(rec, identity)
-        saved["rounds"].append({**round_summary(rec, identity, model), "path": str(path),
-                                "startup_s": real["startup_s"], "client": measured_row(real["summary"], [])})
-        order = list(enumerate(points))
-        for i, changed in order[::-1] if r % 2 else order:
-            point = saved["points"][i]
-            began = time.perf_counter()
-            point["predicted"].append(predict(rec, model, changed).row())
-            point["compute_s"].append(time.perf_counter() - began)
-            name = "-".join(f"{k}={v}" for k, v in changed.items())
-            run = run_serve(args, changed, trace, requests, out / f"round{r + 1}-{name}.log", load)
-            write_recording(out / f"round{r + 1}-{name}.jsonl", serve_header(run["state"]), run["events"])
-            add_measured(point, run, r + 1, saved["started"])
-            saved["seconds"], saved["load"] = time.time() - saved["started"], load.readings
-            if args.json:
-                Path(args.json).write_text(json.dumps(saved, default=str))
+
+    run_rounds(args, saved, lambda knobs, log: run_serve(args, knobs, trace, requests, log, load),
+               serve_header, lambda rec: predict_points(rec, points), load)
     return publish(section(args), report(args, saved), write=args.write, doc=DOC)
 
 

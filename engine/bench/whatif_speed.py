@@ -64,14 +64,14 @@ def process_cpu_s(pid: int) -> float:
     return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def spread(values: list[float]) -> tuple[float, float, float]:
+def median_range(values: list[float]) -> tuple[float, float, float]:
     """(median, min, max)."""
     return statistics.median(values), min(values), max(values)
 
 
 def share_of(seconds: list[float], recorded_s: float) -> tuple[float, float, float]:
     """Each run's seconds as a share of the recorded wall time: (median, min, max)."""
-    return spread([s / recorded_s for s in seconds])
+    return median_range([s / recorded_s for s in seconds])
 
 
 def law_seconds(spec: dict, shapes: list[StepShape]) -> float:
@@ -296,7 +296,7 @@ def report(args, recordings: dict[str, Recording], how: dict[str, str], tables: 
     for name, table in tables.items():
         recorded_s = recordings[name].wall_s
         for t in table.values():
-            cpu, low, high = spread(t.cpu_s)
+            cpu, low, high = median_range(t.cpu_s)
             share, share_low, share_high = share_of(t.cpu_s, recorded_s)
             per_step = f"{cpu / t.steps * 1e3:.3f} ms" if t.steps else "-"
             lines.append(f"| {name} | {t.label} | {t.steps or '-'} | {cpu:.2f} s ({low:.2f}-{high:.2f}) | "

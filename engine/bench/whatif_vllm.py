@@ -117,14 +117,42 @@ def measured_row(summary: dict, events: list, counters: dict | None = None) -> d
             "server": {k: v for k, v in server.items() if k not in ("wait_s_by_reason", "knobs")}}
 
 
-def add_measured(point: dict, run: dict, round_number: int, started: float) -> None:
-    """A real run's row (`run_launched`'s answer) into its point, and a progress line."""
-    point["measured"].append({**measured_row(run["summary"], run["events"], run["counters"]),
-                              "startup_s": run["startup_s"]})
-    print(json.dumps({"round": round_number, "knobs": point["knobs"], "startup_s": round(run["startup_s"], 1),
-                      "predicted_tok_s": point["predicted"][-1]["output_tok_s"],
-                      "measured_tok_s": point["measured"][-1]["output_tok_s"],
-                      "elapsed_min": round((time.time() - started) / 60, 1)}), flush=True)
+def run_rounds(args, saved: dict, launch: Callable[[dict, Path], dict], header: Callable[[dict], dict],
+               predict_round: Callable, load: LoadWatch) -> None:
+    """The rounds of a check on launched servers, into `saved` (and `--json` after every run). Each round
+    launches the server at the recorded knobs (`launch({}, log)`: `run_launched`'s answer) and writes the
+    trace's events as a recording (its header: `header(/v1/knobs)`); `predict_round(recording)` gives the
+    round's summary and every point's (row, compute seconds); then each point is launched and run once for
+    real, in alternating order from round to round, its events kept as a recording too (`batchtop diff`
+    of it against the prediction parts the error)."""
+    out = Path(args.out)
+    for r in range(args.repeats):
+        round_started = time.time()
+        path = out / f"round{r + 1}.jsonl"
+        real = launch({}, out / f"round{r + 1}-recorded.log")
+        write_recording(path, header(real["state"]), real["events"])
+        summary, predicted = predict_round(read_recording(str(path)))
+        saved["rounds"].append({**summary, "path": str(path), "startup_s": real["startup_s"],
+                                "client": measured_row(real["summary"], [])})
+        order = list(enumerate(saved["points"]))
+        for i, point in order[::-1] if r % 2 else order:
+            row, seconds = predicted[i]
+            point["predicted"].append(row)
+            point["compute_s"].append(seconds)
+            name = "-".join(f"{k}={v}" for k, v in point["knobs"].items())
+            run = launch(point["knobs"], out / f"round{r + 1}-{name}.log")
+            write_recording(out / f"round{r + 1}-{name}.jsonl", header(run["state"]), run["events"])
+            point["measured"].append({**measured_row(run["summary"], run["events"], run["counters"]),
+                                      "startup_s": run["startup_s"]})
+            print(json.dumps({"round": r + 1, "knobs": point["knobs"],
+                              "startup_s": round(run["startup_s"], 1),
+                              "predicted_tok_s": row["output_tok_s"],
+                              "measured_tok_s": point["measured"][-1]["output_tok_s"],
+                              "elapsed_min": round((time.time() - saved["started"]) / 60, 1)}), flush=True)
+            saved["seconds"], saved["load"] = time.time() - saved["started"], load.readings
+            saved["rounds"][-1]["round_s"] = time.time() - round_started
+            if args.json:
+                Path(args.json).write_text(json.dumps(saved, default=str))
 
 
 def wait_port_free(port: int, timeout_s: float = 60.0) -> None:
@@ -195,6 +223,13 @@ def predict_round(rec, values: list[int], budget: int):
     return result, [*result.runs[2:], budget_run]
 
 
+def predict_points(rec, values: list[int], budget: int) -> tuple[dict, list[tuple[dict, float]]]:
+    """`predict_round` as `run_rounds` takes it: the round's summary, every point's row and seconds."""
+    result, runs = predict_round(rec, values, budget)
+    summary = round_summary(result.recording, result.identity, result.model)
+    return summary, [(run.row(), run.seconds) for run in runs]
+
+
 def repredict(saved: dict) -> None:
     """Every point predicted again from each round's recording, as `predict_round` does now."""
     points = saved["points"]
@@ -249,35 +284,10 @@ def main(argv: list[str] | None = None) -> int:
              "rounds": [],
              "points": [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []}
                         for changed in points]}
-    for r in range(args.repeats):
-        round_started = time.time()
-        path = out / f"round{r + 1}.jsonl"
-        real = run_server(options(args, model, {}), trace, requests, out / f"round{r + 1}-recorded.log", load)
-        write_recording(path, vllm_header(real["state"]), real["events"])
-        result, predicted = predict_round(read_recording(str(path)), [p["max_num_seqs"] for p in points[:-1]],
-                                          args.budget)
-        saved["rounds"].append({**round_summary(result.recording, result.identity, result.model),
-                                "path": str(path), "startup_s": real["startup_s"],
-                                "client": measured_row(real["summary"], [])})
-        order = list(enumerate(points))
-        for i, changed in order[::-1] if r % 2 else order:
-            point = saved["points"][i]
-            point["predicted"].append(predicted[i].row())
-            point["compute_s"].append(predicted[i].seconds)
-            name = "-".join(f"{k}={v}" for k, v in changed.items())
-            run = run_server(options(args, model, changed), trace, requests, out / f"round{r + 1}-{name}.log",
-                             load)
-            # the real run as a recording too: `batchtop diff` of it against the prediction parts the error
-            write_recording(out / f"round{r + 1}-{name}.jsonl", vllm_header(run["state"]), run["events"])
-            add_measured(point, run, r + 1, saved["started"])
-            saved["seconds"] = time.time() - saved["started"]
-            saved["load"] = load.readings
-            saved["rounds"][-1]["round_s"] = time.time() - round_started
-            if args.json:
-                Path(args.json).write_text(json.dumps(saved, default=str))
-    saved["seconds"] = time.time() - saved["started"]
-    if args.json:
-        Path(args.json).write_text(json.dumps(saved, default=str))
+    values = [p["max_num_seqs"] for p in points[:-1]]
+    run_rounds(args, saved,
+               lambda knobs, log: run_server(options(args, model, knobs), trace, requests, log, load),
+               vllm_header, lambda rec: predict_points(rec, values, args.budget), load)
     return publish(section(args), report(args, saved), write=args.write, doc=DOC)
 
 

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from batchtop.engine.bench.whatif_speed import law_seconds, process_cpu_s, share_of, spread
+from batchtop.engine.bench.whatif_speed import law_seconds, median_range, process_cpu_s, share_of
 from batchtop.engine.whatif.virtual import StepShape
 
 
-def test_spread_is_the_median_and_the_range():
-    assert spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
-    assert spread([1.0, 2.0]) == (1.5, 1.0, 2.0)
+def test_median_range_is_the_median_and_the_range():
+    assert median_range([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert median_range([1.0, 2.0]) == (1.5, 1.0, 2.0)
 
 
 def test_the_share_is_of_the_recorded_wall_time():
