@@ -91,14 +91,18 @@ class HarnessProcess:
 
 def harness_trace(rec: Recording, as_scheduled: bool = False) -> list[dict]:
     """The recording's requests as the harness's TraceRequest fields. A request arrives when vLLM's
-    `Request` says (its FirstToken's time less its TTFT: the API server took it before the scheduler
-    saw it), else, or `as_scheduled` (the identity replay, on the recording's own timeline), when the
-    scheduler saw it (RequestArrived)."""
-    arrived = {} if as_scheduled else {e.request_id: e.t - e.ttft_s - rec.t0 for e in rec.events
-                                       if isinstance(e, ev.FirstToken)}
+    `Request` says (the API server took it before the scheduler saw it: RequestArrived's `arrival_t`, or
+    in a recording that lacks it, its FirstToken's time less its TTFT), else, or `as_scheduled` (the
+    identity replay, on the recording's own timeline), when the scheduler saw it (RequestArrived's `t`)."""
+    taken_in = {e.request_id: e.t - rec.t0 for e in rec.events if isinstance(e, ev.RequestArrived)}
+    first_token_less_ttft = {e.request_id: e.t - e.ttft_s - rec.t0 for e in rec.events
+                             if isinstance(e, ev.FirstToken)}
     trace = []
     for r in rec.requests:
-        arrival_s = min(arrived.get(r.request_id, r.arrival_s), r.arrival_s)
+        if as_scheduled:
+            arrival_s = taken_in[r.request_id]
+        else:
+            arrival_s = min(first_token_less_ttft.get(r.request_id, r.arrival_s), r.arrival_s)
         row = {"request_id": r.request_id, "arrival_s": max(arrival_s - EARLY_S, 0.0),
                "num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.max_tokens,
                "output_len": r.num_output_tokens if r.stops else r.max_tokens, "priority": r.priority}

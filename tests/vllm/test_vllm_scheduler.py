@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from vllm_helpers import AUTH, EVENTS_API_KEY, MAX_NUM_SEQS, NUM_GPU_BLOCKS, PORT
 
 from batchtop.telemetry import events as ev
@@ -86,7 +87,12 @@ def test_every_request_arrives_is_admitted_and_retires_with_its_usage(vllm_serve
         assert retired.reason == response.choices[0].finish_reason
         assert retired.num_output_tokens == response.usage.completion_tokens
         assert retired.num_prompt_tokens == response.usage.prompt_tokens
-        assert len(mine[ev.FirstToken][rid]) == 1
+        (first,) = mine[ev.FirstToken][rid]
+        # the arrival is vLLM's (its API server took the request before the scheduler saw it): the one
+        # its TTFT counts from
+        (arrived,) = mine[ev.RequestArrived][rid]
+        assert arrived.since_arrival_s > 0
+        assert arrived.arrival_t == pytest.approx(first.t - first.ttft_s, abs=0.005)
         recomputed = sum(p.tokens_to_recompute for p in mine[ev.RequestPreempted][rid])
         cache_hits = sum(a.num_computed_tokens for a in mine[ev.RequestAdmitted][rid])
         # every known token is computed once but the last sampled one; a preemption recomputes, a

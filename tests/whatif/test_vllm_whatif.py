@@ -83,6 +83,27 @@ def test_the_identity_replay_through_the_harness_schedules_every_recorded_step(m
     assert what.identity.first_mismatch is None and what.identity.match_share == 1.0
 
 
+def test_a_request_arrives_when_vllms_request_says_and_is_taken_in_at_a_step_boundary(made):
+    """RequestArrived comes when the scheduler sees the request, at a step boundary; its `arrival_t` is
+    vLLM's `arrival_time` (here the trace's), which TTFT counts from."""
+    rec, what, _ = made
+    arrivals = {r["request_id"]: r["arrival_s"] for r in trace()}
+    arrived = [e for e in rec.events if isinstance(e, ev.RequestArrived)]
+    assert sorted(e.request_id for e in arrived) == sorted(arrivals)
+    first = arrived[0]
+    for e in arrived:
+        since_first = arrivals[e.request_id] - arrivals[first.request_id]
+        assert e.arrival_t - first.arrival_t == pytest.approx(since_first, abs=1e-9)
+    assert sum(e.since_arrival_s > 1e-4 for e in arrived) > len(arrived) / 2     # most came while a step ran
+    first_token = {e.request_id: e for e in rec.events if isinstance(e, ev.FirstToken)}
+    for e in arrived:
+        if e.request_id in first_token:
+            token = first_token[e.request_id]
+            assert token.t - token.ttft_s == pytest.approx(e.arrival_t, abs=1e-9)
+    # the identity replay takes each request in where the recording did, not at its arrival
+    assert what.identity.first_mismatch is None
+
+
 def test_the_fit_recovers_the_harness_law_and_a_lower_max_num_seqs_runs_fewer(made):
     rec, what, folder = made
     assert what.model.forward.heldout_mape < 0.02
