@@ -23,6 +23,8 @@ from httpx_sse import connect_sse
 
 from batchtop.engine.bench import serving as bs
 from batchtop.engine.vllm.launch import SCHEDULER_CLS, VllmOptions, launch_vllm
+from batchtop.telemetry.events import SCHEMA_VERSION
+from batchtop.telemetry.protocol.stream import stream_schema
 from batchtop.telemetry.recorder import decode_event
 
 from .figures import commit, cpu_name, publish
@@ -90,13 +92,16 @@ class EventFollower:
         try:
             with httpx.Client(base_url=url, timeout=None) as client, \
                     connect_sse(client, "GET", "/v1/events", params=self.params) as source:
+                schema = SCHEMA_VERSION           # until the hello says
                 for message in source.iter_sse():
+                    if message.event == "hello":
+                        schema = stream_schema(message.json(), url)
                     if message.event != "message":
                         continue
                     if not message.data:
                         self.num_empty += 1
                         continue
-                    event = decode_event(message.data)
+                    event = decode_event(message.data, schema)
                     self.num_events += 1
                     if self.keep:
                         self.events.append(event)

@@ -114,6 +114,8 @@ def live_events(url: str, seconds: float, api_key: str | None = None) -> list:
     import httpx
     from httpx_sse import connect_sse
 
+    from batchtop.telemetry.events import SCHEMA_VERSION
+    from batchtop.telemetry.protocol.stream import stream_schema
     from batchtop.telemetry.recorder import decode_event
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     events: list = []
@@ -124,15 +126,15 @@ def live_events(url: str, seconds: float, api_key: str | None = None) -> list:
         try:
             with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(10, read=None)) as client:
                 with connect_sse(client, "GET", "/v1/events") as source:
+                    schema = SCHEMA_VERSION       # until the hello says
                     for message in source.iter_sse():
                         if stop.is_set():
                             return
-                        if message.data and message.event in ("", "message", None):
-                            try:
-                                events.append(decode_event(message.data))
-                            except ValueError:
-                                pass          # the hello and notices are not events
-        except httpx.HTTPError as error:
+                        if message.event == "hello":
+                            schema = stream_schema(message.json(), url)
+                        elif message.data and message.event == "message":
+                            events.append(decode_event(message.data, schema))
+        except (httpx.HTTPError, ValueError) as error:
             failure.append(str(error))
 
     reader = threading.Thread(target=read, daemon=True)

@@ -4,7 +4,7 @@ access rules and the server thread. A leaf of telemetry: the vLLM guest imports 
 
 - `knob` — `Knob`: a live knob's type, range, label and when it applies; one check.
 - `commands` — `CommandQueue`: bounded, applied before a step; pause, resume, single steps.
-- `stream` — `EventRing` and the resumable server-sent event stream.
+- `stream` — `EventRing`, the resumable server-sent event stream, the schema its hello names.
 - `routes` — `ControlHost` (what a server supplies) and the one APIRouter over it.
 - `guard` — the bind rule, API key, Host and Origin rules and body limit (`Guard`, ASGI).
 - `errors` — OpenAI-shaped error bodies, `ApiError`.

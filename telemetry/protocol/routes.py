@@ -20,6 +20,7 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..events import SCHEMA_VERSION
 from .commands import CommandQueue, QueueFull
 from .errors import ApiError
 from .guard import AccessRules, Guard
@@ -103,8 +104,9 @@ class ControlHost(ABC):
                 "paused": self.paused, "batchtop_failure": self.failure, **self.describe()}
 
     def hello(self) -> dict:
-        return {"server_id": self.server_id, **self.knobs(), "oldest_seq": self.ring.oldest_seq,
-                "next_seq": self.ring.next_seq}
+        """The stream's first message: the server, its knobs, its history and its events' schema."""
+        return {"server_id": self.server_id, "schema_version": SCHEMA_VERSION, **self.knobs(),
+                "oldest_seq": self.ring.oldest_seq, "next_seq": self.ring.next_seq}
 
     def check_working(self) -> None:
         if self.failure is not None:

@@ -19,10 +19,11 @@ import json
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from ..events import Event
-from ..recorder import encode_event
+from ..events import SCHEMA_VERSION, Event
+from ..recorder import SUPPORTED_SCHEMA_VERSIONS, encode_event
 
 SSE_HEADERS = {"Cache-Control": "no-cache"}
+SCHEMA_BEFORE_HELLOS_SAID = 3         # a hello without `schema_version`: a server of schema 3 or older
 SSE_SEP = "\n"
 HEARTBEAT_S = 10.0
 
@@ -172,3 +173,14 @@ def events_response(ring: EventRing, last_event_id: str | None, from_step: int |
 
 def _keep_alive() -> ServerSentEvent:
     return ServerSentEvent(comment="keep-alive", sep=SSE_SEP)
+
+
+def stream_schema(hello: dict, url: str = "the server") -> int:
+    """The event schema a stream's `hello` says its events are written in (decode each with
+    `decode_event(data, version)`, which upgrades an older one); ValueError, saying what to do, for one
+    this batchtop cannot read."""
+    version = hello.get("schema_version", SCHEMA_BEFORE_HELLOS_SAID)
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise ValueError(f"{url} writes events in schema version {version!r}; this batchtop reads versions "
+                         f"{min(SUPPORTED_SCHEMA_VERSIONS)} to {SCHEMA_VERSION}: upgrade batchtop")
+    return version

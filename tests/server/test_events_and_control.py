@@ -10,7 +10,7 @@ from server_helpers import wait_idle
 
 from batchtop.engine.server.app import ServerThread
 from batchtop.engine.server.host import BatchtopServer
-from batchtop.telemetry.events import EventsDropped, KnobChanged, StepFinished
+from batchtop.telemetry.events import SCHEMA_VERSION, EventsDropped, KnobChanged, StepFinished
 from batchtop.telemetry.protocol import stream
 from batchtop.tui.sources.remote import RemoteSource
 
@@ -62,6 +62,7 @@ def test_resume_with_last_event_id_has_no_gap(served, base_url):
     first = read_sse(base_url, params={"from_step": 0},
                      until=lambda ms: any(m["id"] == str(start + 4) for m in ms))
     assert first[0]["event"] == "hello"
+    assert first[0]["data"]["schema_version"] == SCHEMA_VERSION      # the schema its events are in
     last_id = telemetry(first)[-1]["id"]
     second = read_sse(base_url, headers={"Last-Event-ID": last_id},
                       until=lambda ms: any(m["id"] == str(end - 1) for m in ms))

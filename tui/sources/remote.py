@@ -19,8 +19,9 @@ from typing import Callable
 import httpx
 from httpx_sse import connect_sse
 
-from batchtop.telemetry.events import EnginePaused, EngineResumed, EventsDropped, KnobChanged
+from batchtop.telemetry.events import SCHEMA_VERSION, EnginePaused, EngineResumed, EventsDropped, KnobChanged
 from batchtop.telemetry.protocol.knob import SCHEDULER_KNOBS, Knob
+from batchtop.telemetry.protocol.stream import stream_schema
 from batchtop.telemetry.recorder import decode_event
 
 from .base import Poll, Source, SourceDescription, disconnected
@@ -56,6 +57,7 @@ class RemoteSource(Source):
         self.num_connects = 0
         self._paused = False
         self._clock_offset: float | None = None   # server monotonic - ours, best (largest) estimate
+        self._schema = SCHEMA_VERSION             # the events' schema, as the stream's hello says
         self.meta = {"model": None, "device": f"remote {self.url}"}
         self._load_knobs()
 
@@ -172,6 +174,7 @@ class RemoteSource(Source):
         if restarted and self.last_seq is not None:
             self.server_id, self.last_seq = hello.get("server_id"), None
             return False
+        self._schema = stream_schema(hello, self.url)
         first = self.server_id is None
         self.server_id = hello.get("server_id")
         self._apply_state(hello)
@@ -193,7 +196,7 @@ class RemoteSource(Source):
                                                count=int(lost)))
 
     def _event(self, data: str, event_id: str | None) -> None:
-        event = decode_event(data)
+        event = decode_event(data, self._schema)
         offset = event.t - time.monotonic()
         if self._clock_offset is None or offset > self._clock_offset:
             self._clock_offset = offset
