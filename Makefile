@@ -36,11 +36,12 @@ run: setup
 
 # Two pytest-xdist workers, one per core of the machines this runs on; tests/conftest.py says which tests
 # share a worker (a costly fixture, fixed ports) and orders the work longest first.
+# -P: the repository root stays off sys.path (its folders are batchtop's packages; engine/__init__.py).
 TEST_WORKERS ?= 2
 
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --no-loadscope-reorder
+	$(PY) -P -m pytest -q --durations=25 -n $(TEST_WORKERS) --no-loadscope-reorder
 
 # Long reliability runs (docs/reliability.md); `make test` runs bounded versions of each.
 soak: setup

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,6 +61,18 @@ def offending(prefix: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] 
 def test_every_package_is_found():
     assert {"batchtop.engine.core.engine", "batchtop.engine.server.app", "batchtop.telemetry.events",
             "batchtop.kernels.cpu", "batchtop.tui.app", "batchtop.engine.vllm.scheduler"} <= set(MODULES)
+
+
+def test_run_from_the_root_its_folders_are_not_top_level_modules():
+    """From the repository root the root is on sys.path, where kernels/ is found as a top-level
+    `kernels` and would shadow Hugging Face's package that transformers imports; importing the engine
+    takes the root off."""
+    probe = ("import importlib.util as u; before = u.find_spec('kernels'); import batchtop.engine; "
+             "after = u.find_spec('kernels'); print(before and before.origin, after and after.origin)")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    before, after = run.stdout.split()
+    assert before == str(ROOT / "kernels" / "__init__.py")
+    assert after == "None" or not after.startswith(str(ROOT))
 
 
 def test_engine_core_imports_neither_server_nor_benchmarks_nor_the_dashboard():
