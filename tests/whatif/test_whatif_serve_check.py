@@ -1,15 +1,21 @@
 """The batchtop-serve leg of the predicted-against-measured check (engine/bench/whatif_serve.py), run for
 real at a small scale: `batchtop serve --model tiny` launched at the recorded knobs and at another budget,
 the trace replayed by the HTTP client while the event stream is recorded; the recording reads back with
-the server's set-up and the trace's requests, replays step for step, and every server is gone after."""
+the server's set-up and the trace's requests, replays step for step, and every server is gone after.
+The same check's recordings then re-priced at a scaled step time (engine/bench/whatif_sensitivity.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 
-from batchtop.engine.bench import whatif_serve
+import pytest
+
+from batchtop.engine.bench import whatif_sensitivity, whatif_serve
 from batchtop.engine.bench.whatif_check import make_trace
+from batchtop.engine.whatif.grid import prepare
 from batchtop.engine.whatif.recording import read_recording
+from batchtop.engine.whatif.replay import replay_identity
 
 NUM_REQUESTS = 24
 
@@ -53,3 +59,23 @@ def test_a_small_check_on_batchtop_serve_records_predicts_and_measures(tmp_path,
     section = capsys.readouterr().out
     assert "\n" + whatif_serve.SECTION + "\n" in section
     assert "| max_num_batched_tokens=32 | output tok/s |" in section
+
+    # re-priced at scaled step times: 1x is the check's own prediction, a slower step a longer run
+    result = whatif_sensitivity.analyse(saved, (1.0, 1.5), seeds=1)
+    [scaled] = result["points"]
+    [same], [slower] = scaled["scaled"][1.0], scaled["scaled"][1.5]
+    for key in ("ttft_p50_s", "itl_p50_s", "output_tok_s", "preemptions", "steps"):
+        assert same[key] == predicted[key]
+    assert slower["itl_p50_s"] > same["itl_p50_s"] and slower["span_s"] > same["span_s"]
+    _, model = prepare(rec)                            # the forward alone is scaled, the other phases kept
+    shape = replay_identity(rec).engine.shapes[-1]
+    plain = dataclasses.replace(model.fresh(), seed=7)(shape)
+    scaled_phases = whatif_sensitivity.ScaledSteps(dataclasses.replace(model.fresh(), seed=7), 1.5)(shape)
+    assert scaled_phases.forward_s == pytest.approx(1.5 * plain.forward_s) and plain.forward_s > 0
+    assert (scaled_phases.schedule_s, scaled_phases.update_s) == (plain.schedule_s, plain.update_s)
+    [ratio] = scaled["step_ratio"]                     # the real run against the recording's law
+    assert 0.3 < ratio < 3
+    table = whatif_sensitivity.report(whatif_sensitivity.make_parser().parse_args(["points.json"]), saved,
+                                      result)
+    assert table.startswith(whatif_sensitivity.SECTION + "\n")
+    assert "| max_num_batched_tokens=32 | preemptions | 0 (0-0) |" in table

@@ -1,0 +1,164 @@
+"""How far a what-if's predictions move with the step time: each point of a finished batchtop serve check
+predicted again from the same recordings with every fitted forward time scaled (0.9x to 1.2x), beside
+the measured runs and how much slower or faster their steps ran than the recording's at the shapes
+the recording saw. Writes its section of docs/whatif.md.
+
+    .venv/bin/python -m batchtop.engine.bench.whatif_sensitivity CHECK.json --write
+
+CHECK.json: the `--json` of a `whatif_serve` run, whose `--out` folder still holds the round recordings
+and the real runs beside them (round1.jsonl, round1-max_num_seqs=8.jsonl, ...). batchtop's recordings
+only (a vLLM recording's steps are priced inside the harness).
+
+A real run's step ratio: the median of its decode-only steps' forward time over the recording's law at
+each step's shape, against the same median over the recording's own steps, on steps no wider than the
+recording ran (so the ratio is the machine's, not the law's extrapolation).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+from datetime import date
+from pathlib import Path
+
+from batchtop.engine.whatif.grid import prepare, run_of
+from batchtop.engine.whatif.recording import read_recording
+from batchtop.engine.whatif.replay import replay_identity, run_whatif
+from batchtop.engine.whatif.steptime import StepTimeModel
+from batchtop.engine.whatif.virtual import PhaseTimes, StepShape
+from batchtop.telemetry import events as ev
+
+from .figures import commit, cpu_name, publish
+from .whatif_check import DOC
+
+SECTION = "## Sensitivity to step time: batchtop serve"
+SCALES = (0.9, 1.0, 1.05, 1.1, 1.2)
+
+
+class ScaledSteps:
+    """A fitted step-time model whose forward times are `factor` times its own."""
+
+    def __init__(self, model: StepTimeModel, factor: float):
+        self.model, self.factor = model, factor
+        self.gap = model.gap
+
+    def __call__(self, shape: StepShape) -> PhaseTimes:
+        phases = self.model(shape)
+        return dataclasses.replace(phases, forward_s=phases.forward_s * self.factor)
+
+
+def predict_scaled(rec, model: StepTimeModel, changed: dict, factor: float, seed: int) -> dict:
+    """One what-if at `changed` with the forward scaled by `factor`; the run's row."""
+    steps = dataclasses.replace(model.fresh(), seed=seed)
+    _, events = run_whatif(rec, {**rec.setup.knobs, **changed}, ScaledSteps(steps, factor),
+                           held=frozenset(changed), gap=steps.gap)
+    return run_of("scaled", changed, events).row()
+
+
+def decode_ratios(rec, model: StepTimeModel) -> list[float]:
+    """Each decode-only step's forward time over the law's at its shape, on row counts the law's
+    recording ran."""
+    identity = replay_identity(rec)
+    finished = {e.step: e for e in rec.events if isinstance(e, ev.StepFinished)}
+    planned = [e.step for e in identity.events if isinstance(e, ev.StepPlanned)]
+    widest = model.seen["num_rows"]
+    ratios = []
+    for step, shape in zip(planned, identity.engine.shapes):
+        done = finished.get(step)
+        if done is None or shape.prefill_tokens or shape.num_rows > widest:
+            continue
+        law = model.forward.predict(shape)
+        if law > 0:
+            ratios.append(done.forward_s / law)
+    return ratios
+
+
+def label(changed: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in changed.items())
+
+
+def analyse(saved: dict, scales: tuple[float, ...], seeds: int) -> dict:
+    """Per point: the predictions at each scale (every round and seed), the measured runs' rows, and each
+    real run's step ratio against its round's recording."""
+    points = [{"knobs": p["knobs"], "measured": p["measured"], "scaled": {f: [] for f in scales},
+               "step_ratio": []} for p in saved["points"]]
+    for i, summary in enumerate(saved["rounds"], 1):
+        path = Path(summary["path"])
+        rec = read_recording(str(path))
+        if rec.setup.vllm is not None:
+            raise SystemExit(f"{path}: a recording made inside vLLM; this check re-prices batchtop's only")
+        _, model = prepare(rec)
+        own = statistics.median(decode_ratios(rec, model))
+        for point in points:
+            for factor in scales:
+                point["scaled"][factor] += [predict_scaled(rec, model, point["knobs"], factor, seed)
+                                            for seed in range(seeds)]
+            real = path.with_name(f"round{i}-{label(point['knobs'])}.jsonl")
+            if real.exists():
+                ratios = decode_ratios(read_recording(str(real)), model)
+                if ratios:
+                    point["step_ratio"].append(statistics.median(ratios) / own)
+    return {"points": points, "scales": scales, "seeds": seeds}
+
+
+def median_and_range(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def report(args, saved: dict, result: dict) -> str:
+    pool = re.search(r"--num-kv-blocks (\d+)", saved["command"])
+    scales = result["scales"]
+    lines = [section(saved), "",
+             f"{date.today().isoformat()}, commit {commit()}, {cpu_name()}. Command: `.venv/bin/python -m "
+             f"batchtop.engine.bench.whatif_sensitivity CHECK.json --seeds {args.seeds} --write`, "
+             f"CHECK.json the `--json` of the check run at commit {saved['commit']} (its section above"
+             + (f", a pool of {pool.group(1)} blocks" if pool else "") + f"; {len(saved['rounds'])} "
+             "recordings). Each point predicted again from each round's recording with the fitted "
+             f"forward time of every step scaled, {args.seeds} seeds each (the law's per-step draw); "
+             "median (range) over rounds and seeds. Step ratio: each real run's decode steps against "
+             "its round's recording at the shapes the recording ran, median (range) over the rounds.", "",
+             "| knobs | metric | measured | real step ratio | "
+             + " | ".join(f"predicted at {f:g}x" for f in scales) + " |",
+             "|---|---|---|---|" + "---|" * len(scales)]
+    for point in result["points"]:
+        ratio = median_and_range(point["step_ratio"], ".2f")
+        for metric, key, fmt, scale in (("preemptions", "preemptions", ".0f", 1),
+                                        ("ITL p50 (ms)", "itl_p50_s", ".1f", 1e3),
+                                        ("TTFT p50 (ms)", "ttft_p50_s", ".0f", 1e3),
+                                        ("output tok/s", "output_tok_s", ".0f", 1)):
+            measured = median_and_range([m[key] * scale for m in point["measured"]], fmt)
+            predicted = [median_and_range([r[key] * scale for r in point["scaled"][f]], fmt) for f in scales]
+            lines.append(f"| {label(point['knobs'])} | {metric} | {measured} | {ratio} | "
+                         + " | ".join(predicted) + " |")
+    return "\n".join(lines)
+
+
+def section(saved: dict) -> str:
+    pool = re.search(r"--num-kv-blocks (\d+)", saved["command"])
+    return SECTION + (f", a pool of {pool.group(1)} blocks" if pool else "")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("check", help="a whatif_serve --json file (its recordings still in its --out)")
+    parser.add_argument("--scales", default=",".join(f"{f:g}" for f in SCALES),
+                        help="factors on the fitted forward time")
+    parser.add_argument("--seeds", type=int, default=3, help="what-if runs per recording and factor")
+    parser.add_argument("--write", action="store_true", help="write the section of docs/whatif.md")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    saved = json.loads(Path(args.check).read_text())
+    scales = tuple(float(f) for f in args.scales.split(",") if f)
+    return publish(section(saved), report(args, saved, analyse(saved, scales, args.seeds)),
+                   write=args.write, doc=DOC)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
