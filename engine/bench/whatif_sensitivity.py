@@ -1,5 +1,6 @@
 """How far a what-if's predictions move with the step time: each point of a finished batchtop serve check
-predicted again from the same recordings with every fitted forward time scaled (0.9x to 1.2x), beside
+predicted again from the same recordings with every fitted forward time scaled (0.9x to 1.2x, as
+`batchtop whatif --step-time` does), beside
 the measured runs and how much slower or faster their steps ran than the recording's at the shapes
 the recording saw. Writes its section of docs/whatif.md.
 
@@ -23,11 +24,10 @@ import statistics
 from datetime import date
 from pathlib import Path
 
-from batchtop.engine.whatif.grid import prepare, run_of
+from batchtop.engine.whatif.grid import predict, prepare
 from batchtop.engine.whatif.recording import read_recording
-from batchtop.engine.whatif.replay import replay_identity, run_whatif
+from batchtop.engine.whatif.replay import replay_identity
 from batchtop.engine.whatif.steptime import StepTimeModel
-from batchtop.engine.whatif.virtual import PhaseTimes, StepShape
 from batchtop.telemetry import events as ev
 
 from .figures import commit, cpu_name, publish
@@ -37,24 +37,10 @@ SECTION = "## Sensitivity to step time: batchtop serve"
 SCALES = (0.9, 1.0, 1.05, 1.1, 1.2)
 
 
-class ScaledSteps:
-    """A fitted step-time model whose forward times are `factor` times its own."""
-
-    def __init__(self, model: StepTimeModel, factor: float):
-        self.model, self.factor = model, factor
-        self.gap = model.gap
-
-    def __call__(self, shape: StepShape) -> PhaseTimes:
-        phases = self.model(shape)
-        return dataclasses.replace(phases, forward_s=phases.forward_s * self.factor)
-
-
 def predict_scaled(rec, model: StepTimeModel, changed: dict, factor: float, seed: int) -> dict:
-    """One what-if at `changed` with the forward scaled by `factor`; the run's row."""
-    steps = dataclasses.replace(model.fresh(), seed=seed)
-    _, events = run_whatif(rec, {**rec.setup.knobs, **changed}, ScaledSteps(steps, factor),
-                           held=frozenset(changed), gap=steps.gap)
-    return run_of("scaled", changed, events).row()
+    """One what-if at `changed` with the forward at `factor` times the fit's (`whatif --step-time`), the
+    law's per-step draw seeded with `seed`; the run's row."""
+    return predict(rec, dataclasses.replace(model, seed=seed), changed, step_scale=factor).row()
 
 
 def decode_ratios(rec, model: StepTimeModel) -> list[float]:

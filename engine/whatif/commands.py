@@ -15,6 +15,9 @@ def add_whatif(sub) -> None:
     p.add_argument("--engine", metavar="NAME", help="of a fleet recording: the engine to re-schedule")
     p.add_argument("--set", action="append", default=[], metavar="KNOB=V1,V2",
                    help="knob values to run (repeat for a grid over several knobs)")
+    p.add_argument("--step-time", metavar="F1,F2",
+                   help="run every point again with the fitted forward times at these multiples (1.1: a "
+                        "machine 10%% slower than the recording's), for how far each figure moves with them")
     p.add_argument("--json", action="store_true", help="one JSON object: fit, identity, a row per run")
     p.add_argument("--record", metavar="OUT", help="write each what-if run as a recording (OUT, or OUT "
                                                    "with the values in its name for several)")
@@ -52,16 +55,17 @@ def add_tune(sub) -> None:
 
 
 def cmd_whatif(args) -> int:
-    from .grid import format_table, parse_settings, whatif, write_runs
+    from .grid import format_table, parse_settings, parse_step_scales, whatif, write_runs
     from .recording import read_recording
+    scales = parse_step_scales(args.step_time)
     rec = read_recording(args.recording, args.engine)
     if rec.setup.vllm is not None:
         from .vllm_replay import VLLM_MAX_NUM_SEQS, whatif_vllm
-        result = whatif_vllm(rec, parse_settings(args.set, VLLM_MAX_NUM_SEQS), keep_events=bool(args.record))
-        grid = result.runs[2:]
+        result = whatif_vllm(rec, parse_settings(args.set, VLLM_MAX_NUM_SEQS), keep_events=bool(args.record),
+                             step_scales=scales)
     else:
-        grid = parse_settings(args.set, rec.setup.batch_capacity)
-        result = whatif(rec, grid)
+        result = whatif(rec, parse_settings(args.set, rec.setup.batch_capacity), scales)
+    grid = result.runs[2:]
     paths = write_runs(result, args.record) if args.record and grid else []
     if args.json:
         print(json.dumps({**result.to_dict(), "recorded_to": paths}, default=str))

@@ -16,6 +16,7 @@ from .recording import Recording
 from .replay import Identity, fit_steps, replay_identity, run_whatif
 from .steptime import StepTimeModel
 
+MAX_STEP_SCALE = 100.0
 NOTE_LENGTHS = ("requests keep their recorded output lengths: exact for greedy or ignore_eos runs "
                 "(greedy output does not depend on the schedule); a sampled run's lengths would vary")
 
@@ -45,6 +46,7 @@ class Run:
     events: list[ev.Event] | None = None         # None: a run summarised where it ran (vLLM's harness)
     extrapolation: str | None = None
     seconds: float = 0.0         # what the replay took to compute
+    step_scale: float = 1.0      # the fitted forward times priced at this multiple (`--step-time`)
 
     def row(self) -> dict:
         s = self.summary
@@ -56,7 +58,7 @@ class Run:
                 "peak_kv": s.peak_kv, "steps": s.num_steps, "span_s": s.span_s,
                 "effective_batch": s.row_steps_useful / s.num_steps if s.num_steps else None,
                 "batch_utilisation": s.batch_utilisation,
-                "extrapolated": self.extrapolation, "compute_s": self.seconds}
+                "extrapolated": self.extrapolation, "compute_s": self.seconds, "step_scale": self.step_scale}
 
 
 def run_of(label: str, knobs: dict, events: list[ev.Event], **extra) -> Run:
@@ -89,21 +91,54 @@ def prepare(rec: Recording) -> tuple[Identity, StepTimeModel]:
     return identity, fit_steps(rec, identity)
 
 
-def predict(rec: Recording, model: StepTimeModel, changed: dict, label: str | None = None) -> Run:
-    """One what-if: the recorded knobs with `changed` over them, on fitted step times."""
+def predict(rec: Recording, model: StepTimeModel, changed: dict, label: str | None = None,
+            step_scale: float = 1.0) -> Run:
+    """One what-if: the recorded knobs with `changed` over them, on fitted step times (their forward
+    times at `step_scale` times the fit's)."""
     knobs = {**rec.setup.knobs, **changed}
-    steps = model.fresh()
+    steps = model.fresh(step_scale)
     started = time.perf_counter()
     _, events = run_whatif(rec, knobs, steps, held=frozenset(changed), gap=steps.gap)
     seconds = time.perf_counter() - started
-    label = label or ", ".join(f"{k}={v}" for k, v in changed.items()) or "as recorded (fitted)"
-    return run_of(label, changed, events, extrapolation=steps.extrapolation(), seconds=seconds)
+    return run_of(label or run_label(changed, step_scale), changed, events,
+                  extrapolation=steps.extrapolation(), seconds=seconds, step_scale=step_scale)
 
 
-def whatif(rec: Recording, grid: dict[str, list]) -> WhatIf:
+def run_label(changed: dict, step_scale: float = 1.0) -> str:
+    """A what-if run's name: its knobs, and `@F` where its forward times are F times the fit's."""
+    label = ", ".join(f"{k}={v}" for k, v in changed.items()) or "as recorded (fitted)"
+    return label if step_scale == 1.0 else f"{label} @{step_scale:g}x"
+
+
+def grid_runs(grid: dict[str, list], step_scales: tuple[float, ...]) -> list[tuple[dict, float]]:
+    """The recorded knobs at every step-time scale but 1x (always run), then every point of the grid at
+    every scale."""
+    return ([({}, scale) for scale in step_scales if scale != 1.0]
+            + [(changed, scale) for changed in points(grid) if changed for scale in step_scales])
+
+
+def parse_step_scales(text: str | None) -> tuple[float, ...]:
+    """`--step-time F1,F2`: factors on the fitted forward times, each in (0, 100]."""
+    if text is None:
+        return (1.0,)
+    scales = []
+    for item in text.split(","):
+        try:
+            scale = float(item)
+        except ValueError:
+            raise ValueError(f"--step-time takes factors such as 0.9,1.1, got {item.strip()!r}") from None
+        if not 0.0 < scale <= MAX_STEP_SCALE:
+            raise ValueError(f"--step-time {item.strip()}: a factor must be above 0 and at most "
+                             f"{MAX_STEP_SCALE:g}")
+        scales.append(scale)
+    return tuple(scales)
+
+
+def whatif(rec: Recording, grid: dict[str, list], step_scales: tuple[float, ...] = (1.0,)) -> WhatIf:
     identity, model = prepare(rec)
     runs = [run_of("recorded", {}, rec.events), predict(rec, model, {}, "as recorded (fitted)")]
-    runs += [predict(rec, model, changed) for changed in points(grid) if changed]
+    runs += [predict(rec, model, changed, step_scale=scale)
+             for changed, scale in grid_runs(grid, step_scales)]
     return WhatIf(rec, identity, model, runs)
 
 
@@ -113,12 +148,15 @@ def write_runs(result: WhatIf, out: str) -> list[str]:
     paths = []
     target = Path(out)
     for run in grid:
-        path = target if len(grid) == 1 else target.with_name(
-            f"{target.stem}." + "-".join(f"{k}={v}" for k, v in run.knobs.items()) + target.suffix)
+        values = [f"{k}={v}" for k, v in run.knobs.items()]
+        values += [f"step_time={run.step_scale:g}"] if run.step_scale != 1.0 else []
+        path = (target if len(grid) == 1
+                else target.with_name(f"{target.stem}." + "-".join(values) + target.suffix))
         header = make_header(result.recording.model, {**result.recording.setup.knobs, **run.knobs},
                              engine=result.recording.setup.to_dict(),
                              device=result.recording.header.get("device"),
                              whatif={"recording": result.recording.path, "knobs": run.knobs,
+                                     "step_scale": run.step_scale,
                                      "forward": result.model.forward.describe(),
                                      "heldout_mape": result.model.forward.heldout_mape})
         header["start_monotonic"] = 0.0
@@ -145,6 +183,10 @@ def format_table(result: WhatIf) -> str:
              NOTE_LENGTHS]
     if rec.setup.assumed:
         lines.append("not in the recording, engine defaults assumed: " + ", ".join(rec.setup.assumed))
+    scales = sorted({run.step_scale for run in result.runs} - {1.0})
+    if scales:
+        lines.append("@F: the run again with every fitted forward time at F times (" + ", ".join(
+            f"{scale:g}x" for scale in scales) + "): how far its figures move with the machine's speed")
     lines += ["", format_rows(result.runs)]
     lines.append(f"(each prediction: held-out MAPE of the step-time fit {law.heldout_mape:.1%})")
     return "\n".join(lines)

@@ -221,6 +221,7 @@ class StepTimeModel:
     max_beyond: dict[str, float] = field(default_factory=dict)   # feature: the largest ratio to `seen`
     num_rare_rows: int = 0                       # steps at a row count recorded < ROWS_PRIOR_STEPS times
     rare_rows: dict[int, int] = field(default_factory=dict)      # such a row count: its recorded steps
+    forward_scale: float = 1.0                   # the forward times priced at this multiple of the fit's
     _rng: random.Random = field(init=False, repr=False)
     _overheads: tuple = field(init=False, repr=False)          # OVERHEAD_PHASES' (intercept, per row)
     _limits: tuple = field(init=False, repr=False)             # per seen feature: its getter and limit
@@ -243,7 +244,8 @@ class StepTimeModel:
         self.count(shape)
         rows = shape.num_rows
         (a1, b1), (a2, b2), (a3, b3), (a4, b4) = self._overheads
-        forward = max(self.forward.predict(shape), 0.0) * self.slowdown.draw(self._rng, rows, shape.start_s)
+        forward = (max(self.forward.predict(shape), 0.0) * self.slowdown.draw(self._rng, rows, shape.start_s)
+                   * self.forward_scale)
         return PhaseTimes(a1 + b1 * rows, a2 + b2 * rows, forward, a3 + b3 * rows, a4 + b4 * rows)
 
     def count(self, shape: StepShape) -> None:
@@ -263,10 +265,11 @@ class StepTimeModel:
                 self.num_rare_rows += 1
                 self.rare_rows[shape.num_rows] = recorded
 
-    def fresh(self) -> StepTimeModel:
-        """The same model with its counts at zero (one per what-if run)."""
+    def fresh(self, forward_scale: float = 1.0) -> StepTimeModel:
+        """The same model with its counts at zero (one per what-if run), its forward times at
+        `forward_scale` times the fit's (a machine that much slower; the other phases as fitted)."""
         return StepTimeModel(self.forward, self.overhead, self.gap, self.slowdown, self.seen, self.seed,
-                             self.rows_recorded)
+                             self.rows_recorded, forward_scale=forward_scale)
 
     def extrapolation(self) -> str | None:
         """None when every predicted step lay within the recording's shapes, at row counts it ran often

@@ -27,7 +27,7 @@ from batchtop.telemetry import events as ev
 from batchtop.telemetry.events import event_from_dict
 from batchtop.telemetry.run_stats import MetricsSummary
 
-from .grid import Run, WhatIf, points, run_of
+from .grid import Run, WhatIf, grid_runs, run_label, run_of
 from .recording import VLLM_KNOBS, Recording
 from .replay import Identity, recorded_gaps, recorded_phases, signatures, without_gc
 from .steptime import StepTimeModel, fit_model
@@ -127,17 +127,17 @@ def recorded_table(rec: Recording) -> dict:
 
 
 def law_spec(model: StepTimeModel) -> dict:
-    """The fitted model as the harness's step-time law: the forward law times a factor drawn per step
-    from the recorded slowdown (the same draw as batchtop's what-if), plus the overheads (their
-    intercepts and per-row terms) and the mean gap."""
-    law = model.forward
+    """The fitted model as the harness's step-time law: the forward law (at the model's forward_scale)
+    times a factor drawn per step from the recorded slowdown (the same draw as batchtop's what-if),
+    plus the overheads (their intercepts and per-row terms) and the mean gap."""
+    law, scale = model.forward, model.forward_scale
     coef = dict.fromkeys(SHAPE_FIELDS, 0.0)
     for name, c in zip(law.names, law.coef[1:]):
         for feature in (("prefill_tokens", "decode_rows") if name == "num_tokens" else (name,)):
-            coef[feature] = coef.get(feature, 0.0) + c      # a derived feature (log_decode_rows) as well
+            coef[feature] = coef.get(feature, 0.0) + c * scale   # a derived feature (log_decode_rows) too
     overhead = {"intercept_s": model.gap_s + sum(a for a, _ in model.overhead.values()),
                 "num_rows": sum(b for _, b in model.overhead.values())}
-    return {"law": coef, "intercept_s": law.coef[0], "slowdown": model.slowdown.to_dict(),
+    return {"law": coef, "intercept_s": law.coef[0] * scale, "slowdown": model.slowdown.to_dict(),
             "seed": model.seed, "overhead": overhead}
 
 
@@ -181,17 +181,19 @@ def fit_through_harness(rec: Recording, shapes: list[StepShape]) -> StepTimeMode
 
 
 def predict_through_harness(rec: Recording, model: StepTimeModel, harness: HarnessProcess, changed: dict,
-                            label: str | None = None, keep_events: bool = False) -> Run:
-    """One what-if through vLLM's scheduler; its events come back only with `keep_events` (to write it
-    as a recording): the table needs only their summary, which the harness computes."""
+                            label: str | None = None, keep_events: bool = False,
+                            step_scale: float = 1.0) -> Run:
+    """One what-if through vLLM's scheduler (its forward times at `step_scale` times the fit's); its
+    events come back only with `keep_events` (to write it as a recording): the table needs only their
+    summary, which the harness computes."""
+    counted = model.fresh(step_scale)
     started = time.perf_counter()
-    result = harness.run(_job(rec, law_spec(model), changed, events=keep_events))
+    result = harness.run(_job(rec, law_spec(counted), changed, events=keep_events))
     seconds = time.perf_counter() - started
-    counted = model.fresh()
     for shape in _shapes(result):
         counted.count(shape)
-    label = label or ", ".join(f"{k}={v}" for k, v in changed.items()) or "as recorded (fitted)"
-    extra = dict(extrapolation=counted.extrapolation(), seconds=seconds)
+    label = label or run_label(changed, step_scale)
+    extra = dict(extrapolation=counted.extrapolation(), seconds=seconds, step_scale=step_scale)
     if keep_events:
         return run_of(label, changed, _events(result), **extra)
     return Run(label, changed, MetricsSummary.from_dict(result["summary"]), **extra)
@@ -205,17 +207,17 @@ def check_grid(grid: dict[str, list]) -> None:
 
 
 def whatif_vllm(rec: Recording, grid: dict[str, list], harness: HarnessProcess | None = None,
-                keep_events: bool = False) -> WhatIf:
-    """`whatif` for a recording made inside vLLM: the identity replay, the fit, the grid's runs (with
-    their events where `keep_events`: `--record`)."""
+                keep_events: bool = False, step_scales: tuple[float, ...] = (1.0,)) -> WhatIf:
+    """`whatif` for a recording made inside vLLM: the identity replay, the fit, the grid's runs at each
+    step-time scale (with their events where `keep_events`: `--record`)."""
     check_grid(grid)
     if harness is None:
         with HarnessProcess(rec.setup.vllm["version"]) as own:
-            return whatif_vllm(rec, grid, own, keep_events)
+            return whatif_vllm(rec, grid, own, keep_events, step_scales)
     identity, shapes = identity_through_harness(rec, harness)
     model = fit_through_harness(rec, shapes)
     runs = [run_of("recorded", {}, rec.events),
             predict_through_harness(rec, model, harness, {}, "as recorded (fitted)", keep_events)]
-    runs += [predict_through_harness(rec, model, harness, changed, keep_events=keep_events)
-             for changed in points(grid) if changed]
+    runs += [predict_through_harness(rec, model, harness, changed, keep_events=keep_events, step_scale=scale)
+             for changed, scale in grid_runs(grid, step_scales)]
     return WhatIf(rec, identity, model, runs)

@@ -198,3 +198,23 @@ def test_a_vllm_recording_without_its_environment_is_refused_in_one_line(inside_
     tune = ["tune", inside_vllm("vllm 0.32.1"), "--slo", "ttft_p99=1s", "--knob", "max_num_seqs=1..4"]
     assert main(tune) == 2
     assert "made inside vLLM" in capsys.readouterr().err
+
+
+def test_step_time_scales_the_law_vllms_scheduler_runs_on(made, capsys):
+    """`--step-time 2` on a vLLM recording: the harness's law carries every forward coefficient doubled
+    (the overheads and the gap as fitted), and the run's first step takes twice the forward time."""
+    rec, result, folder = made
+    plain, doubled = vllm_replay.law_spec(result.model.fresh()), vllm_replay.law_spec(result.model.fresh(2.0))
+    assert doubled["intercept_s"] == pytest.approx(2 * plain["intercept_s"])
+    assert doubled["law"] == pytest.approx({k: 2 * v for k, v in plain["law"].items()})
+    assert doubled["overhead"] == plain["overhead"] and doubled["slowdown"] == plain["slowdown"]
+    out = folder / "scaled.jsonl"
+    assert main(["whatif", rec.path, "--set", "max_num_seqs=2", "--step-time", "1,2", "--json",
+                 "--record", str(out)]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["run"] for r in runs[2:]] == ["as recorded (fitted) @2x", "max_num_seqs=2",
+                                            "max_num_seqs=2 @2x"]
+    assert runs[4]["span_s"] > runs[3]["span_s"]
+    slow = read_recording(str(folder / "scaled.max_num_seqs=2-step_time=2.jsonl")).steps[0]
+    fast = read_recording(str(folder / "scaled.max_num_seqs=2.jsonl")).steps[0]
+    assert slow.forward_s == pytest.approx(2 * fast.forward_s) and slow.forward_s > 0

@@ -1,5 +1,7 @@
-"""Bad input to whatif, diff and tune: one line saying what is wrong, exit code 2, no traceback."""
+"""Bad input to whatif, diff and tune: one line saying what is wrong, exit code 2, no traceback; and the
+commands on good input."""
 import dataclasses
+import json
 
 import pytest
 from command_helpers import error_lines
@@ -56,6 +58,11 @@ def test_an_unknown_knob_or_a_value_out_of_range(good, capsys, setting, words):
     assert words in fails(capsys, "whatif", good, "--set", setting)
 
 
+@pytest.mark.parametrize("factors", ["0", "-1.1", "fast", "1,", "101"])
+def test_a_step_time_factor_that_is_not_a_positive_number(good, capsys, factors):
+    assert "--step-time" in fails(capsys, "whatif", good, "--set", "max_num_seqs=2", "--step-time", factors)
+
+
 def test_tune_refuses_bad_slos_and_ranges(good, capsys):
     assert "--slo" in fails(capsys, "tune", good, "--slo", "latency=2s", "--knob", "max_num_seqs=1..4")
     assert "duration" in fails(capsys, "tune", good, "--slo", "ttft_p99=fast", "--knob", "max_num_seqs=1..4")
@@ -83,3 +90,29 @@ def test_the_commands_work_on_good_input(tmp_path, good, capsys):
     assert "residual 0 ns" in capsys.readouterr().out
     assert main(["tune", good, "--slo", "ttft_p99=10s", "--knob", "max_num_seqs=1..6"]) == 0
     assert "best: max_num_seqs=" in capsys.readouterr().out
+
+
+def test_step_time_runs_every_point_again_on_forward_times_scaled(tmp_path, good, capsys):
+    """`--step-time 1,1.5`: each point once as fitted and once with every forward time 1.5x (the other
+    phases as fitted); the 1x run is the run without the flag, the 1.5x one runs its first step 1.5x as
+    long and takes longer in all."""
+    assert main(["whatif", good, "--set", "max_num_seqs=2", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["runs"]
+    out = tmp_path / "scaled.jsonl"
+    assert main(["whatif", good, "--set", "max_num_seqs=2", "--step-time", "1,1.5", "--json",
+                 "--record", str(out)]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [(r["run"], r["step_scale"]) for r in runs] == [
+        ("recorded", 1.0), ("as recorded (fitted)", 1.0), ("as recorded (fitted) @1.5x", 1.5),
+        ("max_num_seqs=2", 1.0), ("max_num_seqs=2 @1.5x", 1.5)]
+    assert {**runs[3], "compute_s": 0} == {**plain[2], "compute_s": 0}
+    assert runs[4]["span_s"] > runs[3]["span_s"] and runs[4]["itl_p50_s"] > runs[3]["itl_p50_s"]
+    first = {}
+    for name in ("max_num_seqs=2", "max_num_seqs=2-step_time=1.5"):
+        again = read_recording(str(tmp_path / f"scaled.{name}.jsonl"))
+        first[name] = again.steps[0]
+        assert again.header["whatif"]["step_scale"] == (1.5 if "step_time" in name else 1.0)
+    slow, fast = first["max_num_seqs=2-step_time=1.5"], first["max_num_seqs=2"]
+    assert slow.forward_s == pytest.approx(1.5 * fast.forward_s) and slow.schedule_s == fast.schedule_s
+    assert main(["whatif", good, "--step-time", "1.2"]) == 0       # the table names the factor
+    assert "@F: the run again with every fitted forward time at F times (1.2x)" in capsys.readouterr().out

@@ -5,7 +5,6 @@ the server's set-up and the trace's requests, replays step for step, and every s
 The same check's recordings then re-priced at a scaled step time (engine/bench/whatif_sensitivity.py)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import socket
 
@@ -69,8 +68,7 @@ def test_a_small_check_on_batchtop_serve_records_predicts_and_measures(tmp_path,
     assert slower["itl_p50_s"] > same["itl_p50_s"] and slower["span_s"] > same["span_s"]
     _, model = prepare(rec)                            # the forward alone is scaled, the other phases kept
     shape = replay_identity(rec).engine.shapes[-1]
-    plain = dataclasses.replace(model.fresh(), seed=7)(shape)
-    scaled_phases = whatif_sensitivity.ScaledSteps(dataclasses.replace(model.fresh(), seed=7), 1.5)(shape)
+    plain, scaled_phases = model.fresh()(shape), model.fresh(1.5)(shape)
     assert scaled_phases.forward_s == pytest.approx(1.5 * plain.forward_s) and plain.forward_s > 0
     assert (scaled_phases.schedule_s, scaled_phases.update_s) == (plain.schedule_s, plain.update_s)
     [ratio] = scaled["step_ratio"]                     # the real run against the recording's law
