@@ -44,6 +44,9 @@ def add_tune(sub) -> None:
                    help="ttft_p50|ttft_p99|itl_p50|itl_p99|e2e_p50|e2e_p99 bound, e.g. ttft_p99=2s")
     p.add_argument("--knob", action="append", default=[], metavar="KNOB=LOW..HIGH",
                    help="a knob to tune over a range (or V1,V2,...)")
+    p.add_argument("--step-time", metavar="F1,F2",
+                   help="the SLO must hold with the fitted forward times at each of these multiples too "
+                        "(1.1: a margin for a machine 10%% slower than the recording's)")
     p.add_argument("--apply", metavar="URL", help="set the chosen knobs live on this server (batchtop serve, "
                                                   "or batchtop inside vLLM)")
     p.add_argument("--verify", type=float, default=0.0, metavar="N",
@@ -90,7 +93,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .grid import format_rows
+    from .grid import format_rows, parse_step_scales
     from .recording import read_recording
     from .tune import apply_knobs, live_events, parse_knob_range, parse_slo, tune
     if not args.slo:
@@ -102,14 +105,16 @@ def cmd_tune(args) -> int:
         raise ValueError(f"{rec.path}: tune runs batchtop's scheduler; for a recording made inside vLLM "
                          "run the grid with batchtop whatif --set")
     slo = parse_slo(args.slo)
+    scales = parse_step_scales(args.step_time)
     grid = parse_knob_range(args.knob, rec.setup.batch_capacity)
-    result = tune(rec, grid, slo)
+    result = tune(rec, grid, slo, scales)
     best = result.best
-    report = {"slo_s": slo, "heldout_mape": result.heldout_mape, "best": best.row() if best else None,
-              "runs": [run.row() for run in result.runs]}
+    report = {"slo_s": slo, "step_scales": scales, "heldout_mape": result.heldout_mape,
+              "best": best.row() if best else None, "runs": [run.row() for run in result.runs]}
     lines = [f"tuned {', '.join(grid)} over {len(result.runs)} what-if runs of {rec.path} "
              f"(step-time fit: held-out MAPE {result.heldout_mape:.1%}); SLO "
-             + ", ".join(f"{k} <= {v:g}s" for k, v in slo.items())]
+             + ", ".join(f"{k} <= {v:g}s" for k, v in slo.items())
+             + (" at step times " + ", ".join(f"{f:g}x" for f in scales) if scales != (1.0,) else "")]
     lines.append("no value meets the SLO" if best is None else
                  "best: " + ", ".join(f"{k}={v}" for k, v in best.knobs.items())
                  + f" ({best.summary.throughput_out_tok_s:.1f} output tok/s predicted)")

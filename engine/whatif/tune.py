@@ -71,17 +71,26 @@ def meets(run: Run, slo: dict[str, float]) -> bool:
 
 @dataclass
 class Tuning:
-    runs: list[Run]
+    runs: list[Run]              # every value at every step-time scale
     best: Run | None             # the most output tok/s within the SLO (None: no value meets it)
     heldout_mape: float
 
 
-def tune(rec: Recording, grid: dict[str, list], slo: dict[str, float]) -> Tuning:
+def tune(rec: Recording, grid: dict[str, list], slo: dict[str, float],
+         step_scales: tuple[float, ...] = (1.0,)) -> Tuning:
+    """The values with the most output tok/s (on the fitted step times) among those that meet the SLO
+    at every one of `step_scales` (forward times at those multiples: a margin for a slower machine)."""
     identity = replay_identity(rec)
     model = fit_steps(rec, identity)
     names = list(grid)
-    runs = [predict(rec, model, dict(zip(names, combo))) for combo in itertools.product(*grid.values())]
-    feasible = [run for run in runs if meets(run, slo)]
+    scales = sorted({1.0, *step_scales})
+    runs, feasible = [], []
+    for combo in itertools.product(*grid.values()):
+        changed = dict(zip(names, combo))
+        scaled = [predict(rec, model, changed, step_scale=scale) for scale in scales]
+        runs += scaled
+        if all(meets(run, slo) for run in scaled if run.step_scale in step_scales):
+            feasible.append(scaled[scales.index(1.0)])
     best = max(feasible, key=lambda run: run.summary.throughput_out_tok_s or 0.0, default=None)
     return Tuning(runs, best, model.forward.heldout_mape)
 

@@ -77,6 +77,27 @@ def test_tune_picks_what_the_brute_force_grid_shows_best():
     assert result.best.summary.throughput_out_tok_s == best.summary.throughput_out_tok_s
 
 
+def test_tune_with_a_step_time_margin_picks_what_meets_the_slo_at_each_scale():
+    """`--step-time 1,1.5`: the best value at 1x misses the SLO at 1.5x, so the pick is the best of those
+    that meet it at both, as the brute-force grid at both scales shows."""
+    rec = synthetic_recording(linear_law, num_requests=80, rate=60.0, max_num_seqs=4)
+    grid = parse_knob_range(["max_num_seqs=1..8"], 32)
+    model = fit_steps(rec, replay_identity(rec))
+    at = {scale: [predict(rec, model, changed, step_scale=scale) for changed in points(grid)]
+          for scale in (1.0, 1.5)}
+    loose = parse_slo(["itl_p99=10ms"])              # more rows: more tok/s, and longer gaps between tokens
+    best_at_1x = tune(rec, grid, loose).best
+    i = next(i for i, run in enumerate(at[1.0]) if run.knobs == best_at_1x.knobs)
+    bound = (at[1.0][i].summary.itl.p99 + at[1.5][i].summary.itl.p99) / 2     # met at 1x, missed at 1.5x
+    slo = {"itl_p99": bound}
+    result = tune(rec, grid, slo, (1.0, 1.5))
+    robust = [one for one, slow in zip(at[1.0], at[1.5]) if meets(one, slo) and meets(slow, slo)]
+    assert robust, "the margin leaves no value"
+    best = max(robust, key=lambda run: run.summary.throughput_out_tok_s)
+    assert result.best.knobs == best.knobs != best_at_1x.knobs and result.best.step_scale == 1.0
+    assert len(result.runs) == 2 * len(at[1.0])
+
+
 def test_a_range_past_sixty_four_values_is_a_geometric_grid():
     values = parse_knob_range(["max_num_seqs=1..256"], 256)["max_num_seqs"]
     assert values[0] == 1 and values[-1] == 256 and len(values) <= 64

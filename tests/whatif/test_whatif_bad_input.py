@@ -68,6 +68,8 @@ def test_tune_refuses_bad_slos_and_ranges(good, capsys):
     assert "duration" in fails(capsys, "tune", good, "--slo", "ttft_p99=fast", "--knob", "max_num_seqs=1..4")
     assert "empty" in fails(capsys, "tune", good, "--slo", "ttft_p99=1s", "--knob", "max_num_seqs=8..4")
     assert "unknown knob" in fails(capsys, "tune", good, "--slo", "ttft_p99=1s", "--knob", "seqs=1..4")
+    assert "--step-time" in fails(capsys, "tune", good, "--slo", "ttft_p99=1s", "--knob", "max_num_seqs=1..4",
+                                  "--step-time", "0")
 
 
 def test_diff_of_two_different_traces(tmp_path, good, capsys):
@@ -90,6 +92,9 @@ def test_the_commands_work_on_good_input(tmp_path, good, capsys):
     assert "residual 0 ns" in capsys.readouterr().out
     assert main(["tune", good, "--slo", "ttft_p99=10s", "--knob", "max_num_seqs=1..6"]) == 0
     assert "best: max_num_seqs=" in capsys.readouterr().out
+    assert main(["tune", good, "--slo", "ttft_p99=10s", "--knob", "max_num_seqs=1..6",
+                 "--step-time", "1.2"]) == 0
+    assert "SLO ttft_p99 <= 10s at step times 1.2x" in capsys.readouterr().out
 
 
 def test_step_time_runs_every_point_again_on_forward_times_scaled(tmp_path, good, capsys):
