@@ -131,7 +131,7 @@ def parse_step_scales(text: str | None) -> tuple[float, ...]:
             raise ValueError(f"--step-time {item.strip()}: a factor must be above 0 and at most "
                              f"{MAX_STEP_SCALE:g}")
         scales.append(scale)
-    return tuple(scales)
+    return tuple(dict.fromkeys(scales))              # each once, in the order given
 
 
 def whatif(rec: Recording, grid: dict[str, list], step_scales: tuple[float, ...] = (1.0,)) -> WhatIf:
