@@ -72,7 +72,7 @@ def test_run_from_the_root_its_folders_are_not_top_level_modules():
     run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
     before, after = run.stdout.split()
     assert before == str(ROOT / "kernels" / "__init__.py")
-    assert after == "None" or not after.startswith(str(ROOT))
+    assert after == "None" or not Path(after).is_relative_to(ROOT / "kernels")   # or Hugging Face's
 
 
 def test_engine_core_imports_neither_server_nor_benchmarks_nor_the_dashboard():
