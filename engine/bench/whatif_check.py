@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         identity = replay_identity(rec)
         model = fit_steps(rec, identity)
         rounds.append(round_summary(rec, identity, model))
+        if out:
+            rounds[-1]["path"] = str(out / f"round{r + 1}-recorded.jsonl")
         order = list(enumerate(points))
         for i, changed in order[::-1] if r % 2 else order:
             began = time.perf_counter()
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                               "measured_tok_s": results[i]["measured"][-1]["output_tok_s"]}), flush=True)
     text = report(args, rounds, results, time.time() - started, load)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": rounds, "points": results}, default=str))
+        Path(args.json).write_text(json.dumps({"section": section(args), "commit": commit(),
+                                               "rounds": rounds, "points": results}, default=str))
     return publish(section(args), text, write=args.write, doc=DOC)
 
 

@@ -1,14 +1,14 @@
-"""How far a what-if's predictions move with the step time: each point of a finished batchtop serve check
-predicted again from the same recordings with every fitted forward time scaled (0.9x to 1.2x, as
-`batchtop whatif --step-time` does), beside
-the measured runs and how much slower or faster their steps ran than the recording's at the shapes
-the recording saw. Writes its section of docs/whatif.md.
+"""How far a what-if's predictions move with the step time: each point of a finished check of batchtop's
+predictions (whatif_serve, or whatif_check with --out) predicted again from the same recordings with
+every fitted forward time scaled (0.9x to 1.2x, as `batchtop whatif --step-time` does), beside the
+measured runs and how much slower or faster their steps ran than the recording's at the shapes the
+recording saw. Writes its section of docs/whatif.md.
 
     .venv/bin/python -m batchtop.engine.bench.whatif_sensitivity CHECK.json --write
 
-CHECK.json: the `--json` of a `whatif_serve` run, whose `--out` folder still holds the round recordings
-and the real runs beside them (round1.jsonl, round1-max_num_seqs=8.jsonl, ...). batchtop's recordings
-only (a vLLM recording's steps are priced inside the harness).
+CHECK.json: the check's `--json`; its `--out` folder must still hold the round recordings and the real
+runs beside them (round1-max_num_seqs=8.jsonl, ...). batchtop's recordings only (a vLLM recording's
+steps are priced inside the harness).
 
 A real run's step ratio: the median of its decode-only steps' forward time over the recording's law at
 each step's shape, against the same median over the recording's own steps, on steps no wider than the
@@ -33,7 +33,8 @@ from batchtop.telemetry import events as ev
 from .figures import commit, cpu_name, publish
 from .whatif_check import DOC
 
-SECTION = "## Sensitivity to step time: batchtop serve"
+CHECK_PREFIX = "## Predicted against measured: "           # the checks' sections
+CHECKED = CHECK_PREFIX + "batchtop serve"                   # whatif_serve's
 SCALES = (0.9, 1.0, 1.05, 1.1, 1.2)
 
 
@@ -96,14 +97,13 @@ def median_and_range(values: list[float], fmt: str) -> str:
 
 
 def report(args, saved: dict, result: dict) -> str:
-    pool = re.search(r"--num-kv-blocks (\d+)", saved["command"])
     scales = result["scales"]
     lines = [section(saved), "",
              f"{date.today().isoformat()}, commit {commit()}, {cpu_name()}. Command: `.venv/bin/python -m "
              f"batchtop.engine.bench.whatif_sensitivity CHECK.json --seeds {args.seeds} --write`, "
-             f"CHECK.json the `--json` of the check run at commit {saved['commit']} (its section above"
-             + (f", a pool of {pool.group(1)} blocks" if pool else "") + f"; {len(saved['rounds'])} "
-             "recordings). Each point predicted again from each round's recording with the fitted "
+             f"CHECK.json the `--json` of the check run at commit {saved.get('commit', '?')} (the section "
+             f"\"{check_section(saved).removeprefix('## ')}\"; {len(saved['rounds'])} recordings). "
+             "Each point predicted again from each round's recording with the fitted "
              f"forward time of every step scaled, {args.seeds} seeds each (the law's per-step draw); "
              "median (range) over rounds and seeds. Step ratio: each real run's decode steps against "
              "its round's recording at the shapes the recording ran, median (range) over the rounds.", "",
@@ -123,14 +123,22 @@ def report(args, saved: dict, result: dict) -> str:
     return "\n".join(lines)
 
 
-def section(saved: dict) -> str:
+def check_section(saved: dict) -> str:
+    """The section the check wrote (a file of a whatif_serve run that did not say it: from its command)."""
+    if "section" in saved:
+        return saved["section"]
     pool = re.search(r"--num-kv-blocks (\d+)", saved["command"])
-    return SECTION + (f", a pool of {pool.group(1)} blocks" if pool else "")
+    return CHECKED + (f", a pool of {pool.group(1)} blocks" if pool else "")
+
+
+def section(saved: dict) -> str:
+    return "## Sensitivity to step time: " + check_section(saved).removeprefix(CHECK_PREFIX)
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", help="a whatif_serve --json file (its recordings still in its --out)")
+    parser.add_argument("check", help="a whatif_serve or whatif_check --json file (its recordings still "
+                                      "in its --out)")
     parser.add_argument("--scales", default=",".join(f"{f:g}" for f in SCALES),
                         help="factors on the fitted forward time")
     parser.add_argument("--seeds", type=int, default=3, help="what-if runs per recording and factor")

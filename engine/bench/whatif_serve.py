@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     load = LoadWatch()
     points = [{"max_num_seqs": int(v)} for v in args.values.split(",") if v]
     points.append({"max_num_batched_tokens": args.budget})
-    saved = {"started": time.time(), "commit": commit(), "kernels": kernels_words(),
+    saved = {"section": section(args), "started": time.time(), "commit": commit(), "kernels": kernels_words(),
              "command": shlex.join(["batchtop", *serve_command(args, {})]), "rounds": [],
              "points": [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []}
                         for changed in points]}

@@ -75,5 +75,5 @@ def test_a_small_check_on_batchtop_serve_records_predicts_and_measures(tmp_path,
     assert 0.3 < ratio < 3
     table = whatif_sensitivity.report(whatif_sensitivity.make_parser().parse_args(["points.json"]), saved,
                                       result)
-    assert table.startswith(whatif_sensitivity.SECTION + "\n")
+    assert table.startswith("## Sensitivity to step time: batchtop serve\n")
     assert "| max_num_batched_tokens=32 | preemptions | 0 (0-0) |" in table
