@@ -10,9 +10,9 @@ CHECK.json: the check's `--json`; its `--out` folder must still hold the round r
 runs beside them (round1-max_num_seqs=8.jsonl, ...). batchtop's recordings only (a vLLM recording's
 steps are priced inside the harness).
 
-A real run's step ratio: the median of its decode-only steps' forward time over the recording's law at
-each step's shape, against the same median over the recording's own steps, on steps no wider than the
-recording ran (so the ratio is the machine's, not the law's extrapolation).
+A real run's step ratio: its decode-only steps' forward time against the recording's at the same row
+count, each over the recording's law at the step's shape (so context and rows are the law's to carry),
+on row counts the recording ran (so the ratio is the machine's, not the law's extrapolation).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from .whatif_check import DOC
 CHECK_PREFIX = "## Predicted against measured: "           # the checks' sections
 CHECKED = CHECK_PREFIX + "batchtop serve"                   # whatif_serve's
 SCALES = (0.9, 1.0, 1.05, 1.1, 1.2)
+MIN_RECORDED_STEPS = 20        # a row count the recording ran fewer times is not compared
 
 
 def predict_scaled(rec, model: StepTimeModel, changed: dict, factor: float, seed: int) -> dict:
@@ -44,22 +45,34 @@ def predict_scaled(rec, model: StepTimeModel, changed: dict, factor: float, seed
     return predict(rec, dataclasses.replace(model, seed=seed), changed, step_scale=factor).row()
 
 
-def decode_ratios(rec, model: StepTimeModel) -> list[float]:
-    """Each decode-only step's forward time over the law's at its shape, on row counts the law's
-    recording ran."""
+def decode_ratios(rec, model: StepTimeModel) -> dict[int, list[float]]:
+    """Each decode-only step's forward time over the law's at its shape, by its row count (those the
+    law's recording ran)."""
     identity = replay_identity(rec)
     finished = {e.step: e for e in rec.events if isinstance(e, ev.StepFinished)}
     planned = [e.step for e in identity.events if isinstance(e, ev.StepPlanned)]
     widest = model.seen["num_rows"]
-    ratios = []
+    ratios: dict[int, list[float]] = {}
     for step, shape in zip(planned, identity.engine.shapes):
         done = finished.get(step)
         if done is None or shape.prefill_tokens or shape.num_rows > widest:
             continue
         law = model.forward.predict(shape)
         if law > 0:
-            ratios.append(done.forward_s / law)
+            ratios.setdefault(shape.num_rows, []).append(done.forward_s / law)
     return ratios
+
+
+def step_ratio(real: dict[int, list[float]], recorded: dict[int, list[float]]) -> float | None:
+    """How much longer the real run's decode steps took than the recording's at the same row count and
+    context (each over the law at its shape): per row count the ratio of the medians, weighted by the
+    real run's steps; row counts the recording ran fewer than MIN_RECORDED_STEPS times left out."""
+    common = [rows for rows in real if len(recorded.get(rows, ())) >= MIN_RECORDED_STEPS]
+    weight = sum(len(real[rows]) for rows in common)
+    if not weight:
+        return None
+    return sum(len(real[rows]) * statistics.median(real[rows]) / statistics.median(recorded[rows])
+               for rows in common) / weight
 
 
 def label(changed: dict) -> str:
@@ -77,16 +90,16 @@ def analyse(saved: dict, scales: tuple[float, ...], seeds: int) -> dict:
         if rec.setup.vllm is not None:
             raise SystemExit(f"{path}: a recording made inside vLLM; this check re-prices batchtop's only")
         _, model = prepare(rec)
-        own = statistics.median(decode_ratios(rec, model))
+        own = decode_ratios(rec, model)
         for point in points:
             for factor in scales:
                 point["scaled"][factor] += [predict_scaled(rec, model, point["knobs"], factor, seed)
                                             for seed in range(seeds)]
             real = path.with_name(f"round{i}-{label(point['knobs'])}.jsonl")
             if real.exists():
-                ratios = decode_ratios(read_recording(str(real)), model)
-                if ratios:
-                    point["step_ratio"].append(statistics.median(ratios) / own)
+                ratio = step_ratio(decode_ratios(read_recording(str(real)), model), own)
+                if ratio is not None:
+                    point["step_ratio"].append(ratio)
     return {"points": points, "scales": scales, "seeds": seeds}
 
 
@@ -105,8 +118,10 @@ def report(args, saved: dict, result: dict) -> str:
              f"\"{check_section(saved).removeprefix('## ')}\"; {len(saved['rounds'])} recordings). "
              "Each point predicted again from each round's recording with the fitted "
              f"forward time of every step scaled, {args.seeds} seeds each (the law's per-step draw); "
-             "median (range) over rounds and seeds. Step ratio: each real run's decode steps against "
-             "its round's recording at the shapes the recording ran, median (range) over the rounds.", "",
+             "median (range) over rounds and seeds. Real step ratio: each real run's decode steps against "
+             "its round's recording's at the same row count (those the recording ran at least "
+             f"{MIN_RECORDED_STEPS} times), both over the recording's law at each step's shape; median "
+             "(range) over the rounds.", "",
              "| knobs | metric | measured | real step ratio | "
              + " | ".join(f"predicted at {f:g}x" for f in scales) + " |",
              "|---|---|---|---|" + "---|" * len(scales)]
