@@ -1,8 +1,8 @@
 """How far a what-if's predictions move with the step time: each point of a finished check of batchtop's
 predictions (whatif_serve, or whatif_check with --out) predicted again from the same recordings with
 every fitted forward time scaled (0.9x to 1.2x, as `batchtop whatif --step-time` does), beside the
-measured runs and how much slower or faster their steps ran than the recording's at the shapes the
-recording saw. Writes its section of docs/whatif.md.
+measured runs and how much slower or faster their steps ran than the recording's at the row counts
+the recording ran. Writes its section of docs/whatif.md.
 
     .venv/bin/python -m batchtop.engine.bench.whatif_sensitivity CHECK.json --write
 
