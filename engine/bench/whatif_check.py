@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             results[i]["measured"].append(run_of("measured", changed, events).row())
             load.read()
             if out:
-                name = "-".join(f"{k}={v}" for k, v in changed.items())
-                write_log(out / f"round{r + 1}-{name}.jsonl", header, events)
+                write_log(out / f"round{r + 1}-{point_name(changed)}.jsonl", header, events)
             print(json.dumps({"round": r, "knobs": changed,
                               "predicted_tok_s": predicted.row()["output_tok_s"],
                               "measured_tok_s": results[i]["measured"][-1]["output_tok_s"]}), flush=True)
@@ -201,6 +200,11 @@ def section(args) -> str:
     """The section of the engine's path (its step cost in rows differs: docs/whatif.md) and pool."""
     return (SECTION + ("" if cpu.available() else ", torch ops")
             + (f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else ""))
+
+
+def point_name(knobs: dict) -> str:
+    """A point's part of its real runs' file names (round1-max_num_seqs=8.jsonl)."""
+    return "-".join(f"{k}={v}" for k, v in knobs.items())
 
 
 def round_summary(rec, identity, model) -> dict:

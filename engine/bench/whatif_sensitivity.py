@@ -24,14 +24,15 @@ import statistics
 from datetime import date
 from pathlib import Path
 
-from batchtop.engine.whatif.grid import predict, prepare
+from batchtop.engine.whatif.grid import predict, prepare, run_label
 from batchtop.engine.whatif.recording import read_recording
-from batchtop.engine.whatif.replay import replay_identity
+from batchtop.engine.whatif.replay import Identity, replay_identity
 from batchtop.engine.whatif.steptime import StepTimeModel
 from batchtop.telemetry import events as ev
 
 from .figures import commit, cpu_name, publish
-from .whatif_check import DOC
+from .whatif_check import DOC, point_name
+from .whatif_speed import median_range
 
 CHECK_PREFIX = "## Predicted against measured: "           # the checks' sections
 CHECKED = CHECK_PREFIX + "batchtop serve"                   # whatif_serve's
@@ -45,10 +46,9 @@ def predict_scaled(rec, model: StepTimeModel, changed: dict, factor: float, seed
     return predict(rec, dataclasses.replace(model, seed=seed), changed, step_scale=factor).row()
 
 
-def decode_ratios(rec, model: StepTimeModel) -> dict[int, list[float]]:
-    """Each decode-only step's forward time over the law's at its shape, by its row count (those the
-    law's recording ran)."""
-    identity = replay_identity(rec)
+def decode_ratios(rec, identity: Identity, model: StepTimeModel) -> dict[int, list[float]]:
+    """Each decode-only step's forward time (the shapes from `rec`'s identity replay) over the law's at
+    its shape, by its row count (those the law's recording ran)."""
     finished = {e.step: e for e in rec.events if isinstance(e, ev.StepFinished)}
     planned = [e.step for e in identity.events if isinstance(e, ev.StepPlanned)]
     widest = model.seen["num_rows"]
@@ -75,10 +75,6 @@ def step_ratio(real: dict[int, list[float]], recorded: dict[int, list[float]]) -
                for rows in common) / weight
 
 
-def label(changed: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in changed.items())
-
-
 def analyse(saved: dict, scales: tuple[float, ...], seeds: int) -> dict:
     """Per point: the predictions at each scale (every round and seed), the measured runs' rows, and each
     real run's step ratio against its round's recording."""
@@ -89,15 +85,16 @@ def analyse(saved: dict, scales: tuple[float, ...], seeds: int) -> dict:
         rec = read_recording(str(path))
         if rec.setup.vllm is not None:
             raise SystemExit(f"{path}: a recording made inside vLLM; this check re-prices batchtop's only")
-        _, model = prepare(rec)
-        own = decode_ratios(rec, model)
+        identity, model = prepare(rec)
+        own = decode_ratios(rec, identity, model)
         for point in points:
             for factor in scales:
                 point["scaled"][factor] += [predict_scaled(rec, model, point["knobs"], factor, seed)
                                             for seed in range(seeds)]
-            real = path.with_name(f"round{i}-{label(point['knobs'])}.jsonl")
-            if real.exists():
-                ratio = step_ratio(decode_ratios(read_recording(str(real)), model), own)
+            real_path = path.with_name(f"round{i}-{point_name(point['knobs'])}.jsonl")
+            if real_path.exists():
+                real = read_recording(str(real_path))
+                ratio = step_ratio(decode_ratios(real, replay_identity(real), model), own)
                 if ratio is not None:
                     point["step_ratio"].append(ratio)
     return {"points": points, "scales": scales, "seeds": seeds}
@@ -106,7 +103,8 @@ def analyse(saved: dict, scales: tuple[float, ...], seeds: int) -> dict:
 def median_and_range(values: list[float], fmt: str) -> str:
     if not values:
         return "-"
-    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+    median, low, high = median_range(values)
+    return f"{format(median, fmt)} ({format(low, fmt)}-{format(high, fmt)})"
 
 
 def report(args, saved: dict, result: dict) -> str:
@@ -133,7 +131,7 @@ def report(args, saved: dict, result: dict) -> str:
                                         ("output tok/s", "output_tok_s", ".0f", 1)):
             measured = median_and_range([m[key] * scale for m in point["measured"]], fmt)
             predicted = [median_and_range([r[key] * scale for r in point["scaled"][f]], fmt) for f in scales]
-            lines.append(f"| {label(point['knobs'])} | {metric} | {measured} | {ratio} | "
+            lines.append(f"| {run_label(point['knobs'])} | {metric} | {measured} | {ratio} | "
                          + " | ".join(predicted) + " |")
     return "\n".join(lines)
 

@@ -44,6 +44,7 @@ from .whatif_check import (
     LoadWatch,
     check_parser,
     comparison_table,
+    point_name,
     recordings_table,
     round_summary,
     trace_flags,
@@ -139,7 +140,7 @@ def run_rounds(args, saved: dict, launch: Callable[[dict, Path], dict], header: 
             row, seconds = predicted[i]
             point["predicted"].append(row)
             point["compute_s"].append(seconds)
-            name = "-".join(f"{k}={v}" for k, v in point["knobs"].items())
+            name = point_name(point["knobs"])
             run = launch(point["knobs"], out / f"round{r + 1}-{name}.log")
             write_recording(out / f"round{r + 1}-{name}.jsonl", header(run["state"]), run["events"])
             point["measured"].append({**measured_row(run["summary"], run["events"], run["counters"]),
