@@ -8,7 +8,9 @@ set here the Triton kernels run through the interpreter on the CPU; the engine's
 never uses Triton, so nothing else changes. On a GPU machine, TRITON_INTERPRET=0 runs the CUDA
 tests (test_attention_cuda.py, test_engine_cuda.py) on compiled kernels.
 """
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -16,8 +18,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")      # a GPU run sets 0 to run them compiled
-# Crash logs of the flight recorder (telemetry/flight.py) go to a scratch folder, not the user's cache.
-os.environ.setdefault("BATCHTOP_FLIGHT_DIR", tempfile.mkdtemp(prefix="batchtop-flight-"))
+# Crash logs of the flight recorder (telemetry/flight.py) go to a scratch folder, not the user's cache,
+# made by the process that starts the run (xdist's workers inherit it) and removed when that one ends.
+if "BATCHTOP_FLIGHT_DIR" not in os.environ:
+    os.environ["BATCHTOP_FLIGHT_DIR"] = tempfile.mkdtemp(prefix="batchtop-flight-")
+    atexit.register(shutil.rmtree, os.environ["BATCHTOP_FLIGHT_DIR"], ignore_errors=True)
 # Two workers on two cores: torch's threads would fight over them (OpenMP spins), so each worker keeps one.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,18 +1,19 @@
-"""How far a what-if's predictions move with the step time: each point of a finished check of batchtop's
-predictions (whatif_serve, or whatif_check with --out) predicted again from the same recordings with
-every fitted forward time scaled (0.9x to 1.2x, as `batchtop whatif --step-time` does), beside the
-measured runs and how much slower or faster their steps ran than the recording's at the row counts
-the recording ran. Writes its section of docs/whatif.md.
+"""How far a what-if's predictions move with the step time: each point of a finished check (whatif_check
+with --out, whatif_serve, whatif_vllm) predicted again from the same recordings with every fitted
+forward time scaled (0.9x to 1.2x, as `batchtop whatif --step-time` does), beside the measured runs and
+how much slower or faster their steps ran than the recording's at the row counts the recording ran.
+Writes its section of docs/whatif.md.
 
     .venv/bin/python -m batchtop.engine.bench.whatif_sensitivity CHECK.json --write
 
 CHECK.json: the check's `--json`; its `--out` folder must still hold the round recordings and the real
-runs beside them (round1-max_num_seqs=8.jsonl, ...). batchtop's recordings only (a vLLM recording's
-steps are priced inside the harness).
+runs beside them (round1-max_num_seqs=8.jsonl, ...). A vLLM check's recordings are replayed and priced
+through vLLM's scheduler in the harness (engine/whatif/vllm_replay.py), as `batchtop whatif` does.
 
 A real run's step ratio: its decode-only steps' forward time against the recording's at the same row
 count, each over the recording's law at the step's shape (so context and rows are the law's to carry),
-on row counts the recording ran (so the ratio is the machine's, not the law's extrapolation).
+on row counts the recording ran (so the ratio is the machine's, not the law's extrapolation). A step's
+shape is what its identity replay computed.
 """
 from __future__ import annotations
 
@@ -25,11 +26,19 @@ from datetime import date
 from pathlib import Path
 
 from batchtop.engine.whatif.grid import predict, prepare, run_label
-from batchtop.engine.whatif.recording import read_recording
+from batchtop.engine.whatif.recording import Recording, read_recording
 from batchtop.engine.whatif.replay import Identity, replay_identity
 from batchtop.engine.whatif.steptime import StepTimeModel
+from batchtop.engine.whatif.virtual import StepShape
+from batchtop.engine.whatif.vllm_replay import (
+    HarnessProcess,
+    fit_through_harness,
+    identity_through_harness,
+    predict_through_harness,
+)
 from batchtop.telemetry import events as ev
 
+from . import whatif_vllm
 from .figures import commit, cpu_name, publish
 from .whatif_check import DOC, point_name
 from .whatif_speed import median_range
@@ -40,22 +49,62 @@ SCALES = (0.9, 1.0, 1.05, 1.1, 1.2)
 MIN_RECORDED_STEPS = 20        # a row count the recording ran fewer times is not compared
 
 
-def predict_scaled(rec, model: StepTimeModel, changed: dict, factor: float, seed: int) -> dict:
-    """One what-if at `changed` with the forward at `factor` times the fit's (`whatif --step-time`), the
-    law's per-step draw seeded with `seed`; the run's row."""
-    return predict(rec, dataclasses.replace(model, seed=seed), changed, step_scale=factor).row()
+Steps = list[tuple[StepShape, ev.StepFinished]]      # each recorded step's shape beside its timings
 
 
-def decode_ratios(rec, identity: Identity, model: StepTimeModel) -> dict[int, list[float]]:
-    """Each decode-only step's forward time (the shapes from `rec`'s identity replay) over the law's at
-    its shape, by its row count (those the law's recording ran)."""
-    finished = {e.step: e for e in rec.events if isinstance(e, ev.StepFinished)}
+class BatchtopPricing:
+    """A recording of batchtop's engine: its identity replay and its what-ifs in this process."""
+
+    def fit(self, rec: Recording) -> tuple[StepTimeModel, Steps]:
+        identity, model = prepare(rec)
+        return model, batchtop_steps(rec, identity)
+
+    def steps(self, rec: Recording) -> Steps:
+        return batchtop_steps(rec, replay_identity(rec))
+
+    def predict(self, rec: Recording, model: StepTimeModel, changed: dict, factor: float, seed: int) -> dict:
+        """One what-if at `changed` with the forward at `factor` times the fit's (`whatif --step-time`),
+        the law's per-step draw seeded with `seed`; the run's row."""
+        return predict(rec, dataclasses.replace(model, seed=seed), changed, step_scale=factor).row()
+
+
+class VllmPricing:
+    """A recording made inside vLLM: the same through vLLM's scheduler in the harness."""
+
+    def __init__(self, harness: HarnessProcess):
+        self.harness = harness
+
+    def fit(self, rec: Recording) -> tuple[StepTimeModel, Steps]:
+        _, shapes = identity_through_harness(rec, self.harness)
+        return fit_through_harness(rec, shapes), vllm_steps(rec, shapes)
+
+    def steps(self, rec: Recording) -> Steps:
+        return vllm_steps(rec, identity_through_harness(rec, self.harness)[1])
+
+    def predict(self, rec: Recording, model: StepTimeModel, changed: dict, factor: float, seed: int) -> dict:
+        return predict_through_harness(rec, dataclasses.replace(model, seed=seed), self.harness, changed,
+                                       step_scale=factor).row()
+
+
+def batchtop_steps(rec: Recording, identity: Identity) -> Steps:
+    finished = {e.step: e for e in rec.steps}
     planned = [e.step for e in identity.events if isinstance(e, ev.StepPlanned)]
+    return [(shape, finished[step]) for step, shape in zip(planned, identity.engine.shapes)
+            if step in finished]
+
+
+def vllm_steps(rec: Recording, shapes: list[StepShape]) -> Steps:
+    """The harness's shapes come in step order (as fit_through_harness pairs them)."""
+    return list(zip(shapes, sorted(rec.steps, key=lambda e: e.step)))
+
+
+def decode_ratios(steps: Steps, model: StepTimeModel) -> dict[int, list[float]]:
+    """Each decode-only step's forward time over the law's at its shape, by its row count (those the
+    law's recording ran)."""
     widest = model.seen["num_rows"]
     ratios: dict[int, list[float]] = {}
-    for step, shape in zip(planned, identity.engine.shapes):
-        done = finished.get(step)
-        if done is None or shape.prefill_tokens or shape.num_rows > widest:
+    for shape, done in steps:
+        if shape.prefill_tokens or shape.num_rows > widest:
             continue
         law = model.forward.predict(shape)
         if law > 0:
@@ -78,23 +127,28 @@ def step_ratio(real: dict[int, list[float]], recorded: dict[int, list[float]]) -
 def analyse(saved: dict, scales: tuple[float, ...], seeds: int) -> dict:
     """Per point: the predictions at each scale (every round and seed), the measured runs' rows, and each
     real run's step ratio against its round's recording."""
+    vllm = read_recording(saved["rounds"][0]["path"]).setup.vllm
+    if vllm is None:
+        return analyse_with(BatchtopPricing(), saved, scales, seeds)
+    with HarnessProcess(vllm["version"]) as harness:
+        return analyse_with(VllmPricing(harness), saved, scales, seeds)
+
+
+def analyse_with(pricing, saved: dict, scales: tuple[float, ...], seeds: int) -> dict:
     points = [{"knobs": p["knobs"], "measured": p["measured"], "scaled": {f: [] for f in scales},
                "step_ratio": []} for p in saved["points"]]
     for i, summary in enumerate(saved["rounds"], 1):
         path = Path(summary["path"])
         rec = read_recording(str(path))
-        if rec.setup.vllm is not None:
-            raise SystemExit(f"{path}: a recording made inside vLLM; this check re-prices batchtop's only")
-        identity, model = prepare(rec)
-        own = decode_ratios(rec, identity, model)
+        model, steps = pricing.fit(rec)
+        own = decode_ratios(steps, model)
         for point in points:
             for factor in scales:
-                point["scaled"][factor] += [predict_scaled(rec, model, point["knobs"], factor, seed)
+                point["scaled"][factor] += [pricing.predict(rec, model, point["knobs"], factor, seed)
                                             for seed in range(seeds)]
             real_path = path.with_name(f"round{i}-{point_name(point['knobs'])}.jsonl")
             if real_path.exists():
-                real = read_recording(str(real_path))
-                ratio = step_ratio(decode_ratios(real, replay_identity(real), model), own)
+                ratio = step_ratio(decode_ratios(pricing.steps(read_recording(str(real_path))), model), own)
                 if ratio is not None:
                     point["step_ratio"].append(ratio)
     return {"points": points, "scales": scales, "seeds": seeds}
@@ -137,9 +191,15 @@ def report(args, saved: dict, result: dict) -> str:
 
 
 def check_section(saved: dict) -> str:
-    """The section the check wrote (a file of a whatif_serve run that did not say it: from its command)."""
+    """The section the check wrote (a whatif_serve or whatif_vllm file that did not say it: from its
+    command)."""
     if "section" in saved:
         return saved["section"]
+    if "vllm.entrypoints" in saved["command"]:
+        blocks = re.search(r"--num-gpu-blocks-override (\d+)", saved["command"])
+        size = re.search(r"--block-size (\d+)", saved["command"])
+        return whatif_vllm.section(argparse.Namespace(num_gpu_blocks=blocks and int(blocks.group(1)),
+                                                      block_size=size and int(size.group(1))))
     pool = re.search(r"--num-kv-blocks (\d+)", saved["command"])
     return CHECKED + (f", a pool of {pool.group(1)} blocks" if pool else "")
 
@@ -150,8 +210,8 @@ def section(saved: dict) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", help="a whatif_serve or whatif_check --json file (its recordings still "
-                                      "in its --out)")
+    parser.add_argument("check", help="a whatif_check, whatif_serve or whatif_vllm --json file (its "
+                                      "recordings still in its --out)")
     parser.add_argument("--scales", default=",".join(f"{f:g}" for f in SCALES),
                         help="factors on the fitted forward time")
     parser.add_argument("--seeds", type=int, default=3, help="what-if runs per recording and factor")

@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     load = LoadWatch()
     points = [{"max_num_seqs": v} for v in map(int, args.values.split(","))]
     points.append({"max_num_batched_tokens": args.budget})
-    saved = {"started": time.time(), "commit": commit(), "command": shell_line(options(args, model, {})),
+    saved = {"section": section(args), "started": time.time(), "commit": commit(),
+             "command": shell_line(options(args, model, {})),
              "rounds": [],
              "points": [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []}
                         for changed in points]}

@@ -12,8 +12,9 @@ import pytest
 from command_helpers import error_lines
 from whatif_helpers import linear_law, synthetic_recording
 
+from batchtop.engine.bench import whatif_sensitivity
 from batchtop.engine.whatif import vllm_replay
-from batchtop.engine.whatif.grid import write_runs
+from batchtop.engine.whatif.grid import run_of, write_runs
 from batchtop.engine.whatif.recording import read_recording
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.recorder import encode_event
@@ -218,3 +219,32 @@ def test_step_time_scales_the_law_vllms_scheduler_runs_on(made, capsys):
     slow = read_recording(str(folder / "scaled.max_num_seqs=2-step_time=2.jsonl")).steps[0]
     fast = read_recording(str(folder / "scaled.max_num_seqs=2.jsonl")).steps[0]
     assert slow.forward_s == pytest.approx(2 * fast.forward_s) and slow.forward_s > 0
+
+
+def test_a_vllm_check_is_priced_again_through_the_harness_and_reads_a_slower_real_runs_steps(
+        made, harness, tmp_path):
+    """whatif_sensitivity on a vLLM check's files: the round's recording priced again through vLLM's
+    scheduler gives, at 1x, the what-if's own prediction and, at 1.5x, a longer run; a real run made on
+    a law 1.25x the recording's reads a step ratio of 1.25; the section is the vLLM check's."""
+    rec, what, _ = made
+    round_path = write(tmp_path / "round1.jsonl", rec.header, rec.events)
+    slower = {"law": {k: 1.25 * v for k, v in LAW["law"].items()}, "intercept_s": 1.25 * LAW["intercept_s"]}
+    real = recorded_in_harness(harness, tmp_path, slower, trace())
+    (tmp_path / "vllm.jsonl").rename(tmp_path / f"round1-max_num_seqs={LIMITS['max_num_seqs']}.jsonl")
+    point = {"knobs": {"max_num_seqs": LIMITS["max_num_seqs"]},
+             "measured": [run_of("real", {}, real.events).row()]}
+    saved = {"command": "python -m vllm.entrypoints.openai.api_server --max-num-seqs 8",
+             "rounds": [{"path": round_path}], "points": [point]}
+
+    result = whatif_sensitivity.analyse(saved, (1.0, 1.5), seeds=1)
+    [scaled] = result["points"]
+    [same], [slow] = scaled["scaled"][1.0], scaled["scaled"][1.5]
+    expected = vllm_replay.predict_through_harness(rec, what.model, harness, point["knobs"]).row()
+    for key in ("ttft_p50_s", "itl_p50_s", "output_tok_s", "preemptions", "steps"):
+        assert same[key] == expected[key]
+    assert slow["span_s"] > same["span_s"] and slow["itl_p50_s"] > same["itl_p50_s"]
+    [ratio] = scaled["step_ratio"]
+    assert ratio == pytest.approx(1.25, rel=0.03)
+    args = whatif_sensitivity.make_parser().parse_args(["points.json"])
+    table = whatif_sensitivity.report(args, saved, result)
+    assert table.startswith("## Sensitivity to step time: vLLM 0.32\n")
