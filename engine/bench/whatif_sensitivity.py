@@ -35,6 +35,7 @@ from batchtop.engine.whatif.vllm_replay import (
     fit_through_harness,
     identity_through_harness,
     predict_through_harness,
+    recorded_steps,
 )
 from batchtop.telemetry import events as ev
 
@@ -76,10 +77,10 @@ class VllmPricing:
 
     def fit(self, rec: Recording) -> tuple[StepTimeModel, Steps]:
         _, shapes = identity_through_harness(rec, self.harness)
-        return fit_through_harness(rec, shapes), vllm_steps(rec, shapes)
+        return fit_through_harness(rec, shapes), recorded_steps(rec, shapes)
 
     def steps(self, rec: Recording) -> Steps:
-        return vllm_steps(rec, identity_through_harness(rec, self.harness)[1])
+        return recorded_steps(rec, identity_through_harness(rec, self.harness)[1])
 
     def predict(self, rec: Recording, model: StepTimeModel, changed: dict, factor: float, seed: int) -> dict:
         return predict_through_harness(rec, dataclasses.replace(model, seed=seed), self.harness, changed,
@@ -91,11 +92,6 @@ def batchtop_steps(rec: Recording, identity: Identity) -> Steps:
     planned = [e.step for e in identity.events if isinstance(e, ev.StepPlanned)]
     return [(shape, finished[step]) for step, shape in zip(planned, identity.engine.shapes)
             if step in finished]
-
-
-def vllm_steps(rec: Recording, shapes: list[StepShape]) -> Steps:
-    """The harness's shapes come in step order (as fit_through_harness pairs them)."""
-    return list(zip(shapes, sorted(rec.steps, key=lambda e: e.step)))
 
 
 def decode_ratios(steps: Steps, model: StepTimeModel) -> dict[int, list[float]]:

@@ -171,12 +171,16 @@ def identity_through_harness(rec: Recording, harness: HarnessProcess) -> tuple[I
     return Identity(None, events, len(steps), len(matching), mismatch), _shapes(result)
 
 
+def recorded_steps(rec: Recording, shapes: list[StepShape]) -> list[tuple[StepShape, ev.StepFinished]]:
+    """The identity replay's shapes (in step order) beside the recorded steps, in order."""
+    return list(zip(shapes, sorted(rec.steps, key=lambda e: e.step)))
+
+
 def fit_through_harness(rec: Recording, shapes: list[StepShape]) -> StepTimeModel:
     """steptime.py's fit on the identity replay's shapes, paired with the recorded steps in order, each
     shape starting where its recorded step started (the machine's load then)."""
-    finished = sorted(rec.steps, key=lambda e: e.step)
     pairs = [(dataclasses.replace(shape, start_s=e.t - rec.t0 - recorded_phases(e).total_s), e)
-             for shape, e in zip(shapes, finished)]
+             for shape, e in recorded_steps(rec, shapes)]
     return fit_model([s for s, _ in pairs], [e for _, e in pairs], recorded_gaps(rec))
 
 
