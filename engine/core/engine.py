@@ -136,15 +136,19 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, prompt: str | list[int] | list[dict], sampling: SamplingParams | None = None, *,
-                    chat: bool = False, priority: int = 0, request_id: str | None = None) -> str:
+                    chat: bool = False, priority: int = 0, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
         """Validate and queue a request; ValueError (naming the lengths) if it can never be served."""
-        request = self.make_request(prompt, sampling, chat=chat, priority=priority, request_id=request_id)
+        request = self.make_request(prompt, sampling, chat=chat, priority=priority, request_id=request_id,
+                                    arrival_time=arrival_time)
         self.enqueue(request)
         return request.request_id
 
     def make_request(self, prompt: str | list[int] | list[dict], sampling: SamplingParams | None = None, *,
-                     chat: bool = False, priority: int = 0, request_id: str | None = None) -> Request:
-        """Tokenize and validate without touching the queues (safe from any thread)."""
+                     chat: bool = False, priority: int = 0, request_id: str | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Tokenize and validate without touching the queues (safe from any thread). `arrival_time`
+        (time.monotonic()): when the request arrived, if before now; its TTFT counts from then."""
         sampling = sampling or SamplingParams()
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
             if not prompt:
@@ -164,7 +168,9 @@ class Engine:
         if needed - 1 > capacity:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
                              f"{needed} exceeds the whole KV pool of {capacity} tokens")
-        return Request(request_id or f"r{next(self._ids)}", token_ids, sampling, time.monotonic(),
+        now = time.monotonic()
+        arrived = now if arrival_time is None else min(arrival_time, now)
+        return Request(request_id or f"r{next(self._ids)}", token_ids, sampling, arrived,
                        priority=priority, arrival_seq=next(self._arrivals))
 
     def enqueue(self, request: Request) -> None:

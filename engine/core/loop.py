@@ -38,6 +38,8 @@ class EngineLoop:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
+        self._load_paused = False             # the load was held by a pause ...
+        self._load_resumed_at = 0.0           # ... until then
         self.error: BaseException | None = None
         # (step, seq, fn): run after that step
         self._scheduled: list[tuple[int, int, Callable[[], None]]] = []
@@ -253,13 +255,22 @@ class EngineLoop:
             self.engine.release(output.request_id)     # a long-running loop keeps no finished requests
 
     def _admit_load(self) -> None:
-        if self.load is None or self.commands.paused:
+        """The load's requests that are due. One due while a step ran arrived then, as one a server
+        receives mid-step: its TTFT counts from its due time (one due while paused: from the resume)."""
+        if self.load is None:
             return
-        for item in self.load.due(time.monotonic() - self._started_at):
+        if self.commands.paused:
+            self._load_paused = True
+            return
+        now = time.monotonic()
+        if self._load_paused:
+            self._load_paused, self._load_resumed_at = False, now
+        for item in self.load.due(now - self._started_at):
+            arrived = max(self._started_at + item.arrival_s, self._load_resumed_at)
             prompt = item_prompt(item, self._load_rng)
             exact = item.output_tokens is not None
             sampling = SamplingParams(max_tokens=item.output_tokens or 256, ignore_eos=exact)
             try:
-                self.engine.add_request(prompt, sampling)
+                self.engine.add_request(prompt, sampling, arrival_time=arrived)
             except ValueError as error:
                 self.engine.refuse("load request", str(error))

@@ -1,5 +1,6 @@
 """EngineLoop: commands between steps, and no observer or failed step stops the engine."""
 import threading
+import time
 
 import pytest
 
@@ -8,6 +9,7 @@ from batchtop.engine.core.engine import Engine
 from batchtop.engine.core.loop import EngineLoop
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.engine.model.loading import load_model
+from batchtop.engine.workload.arrivals import TraceItem, TraceLoad
 from batchtop.telemetry import events as ev
 
 
@@ -95,3 +97,61 @@ def test_load_knobs_are_checked_by_the_load_itself(loop):
         assert loop.set_load_knob(name, value) == str(refused.value)
     assert loop.load.rate == 0.0 and loop.load.output.kind == "exponential"
     assert check_load_knob("load_rate", "2.5") == 2.5
+
+
+def run_load(items, before_start=None, while_running=None) -> list:
+    """The tiny engine's loop over a trace load until every request finished; its events."""
+    events = []
+    engine = Engine(EngineConfig(model="tiny", max_num_seqs=4), sink=events.append, loaded=load_model("tiny"))
+    load = TraceLoad(items)
+    loop = EngineLoop(engine, load=load)
+    if before_start is not None:
+        before_start(loop)
+    loop.start()
+    try:
+        if while_running is not None:
+            while_running(loop)
+        deadline = time.monotonic() + 60
+        while not (load.exhausted and not loop.call(engine.has_unfinished)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    return events
+
+
+def test_a_load_request_due_while_a_step_ran_counts_its_ttft_from_its_due_time():
+    """The built-in load behaves as a server's clients: a request due while a step runs arrived then,
+    not when the loop took it in after the step, so a what-if of the recording (which takes it in at
+    the first boundary after its arrival) counts the same wait."""
+    slow_s = 0.2
+
+    def slow_first_forward(loop):
+        forward, calls = loop.engine.runner.forward, []
+
+        def slow(inputs):
+            calls.append(1)
+            if len(calls) == 1:
+                time.sleep(slow_s)
+            return forward(inputs)
+        loop.engine.runner.forward = slow
+    events = run_load([TraceItem(0.0, 3, 4), TraceItem(0.05, 3, 4)], before_start=slow_first_forward)
+    first, second = [e for e in events if isinstance(e, ev.RequestArrived)]
+    assert first.since_arrival_s < 0.05
+    assert second.since_arrival_s > slow_s - 0.05 - 0.02           # taken in after the slow step
+    assert second.arrival_t - first.arrival_t == pytest.approx(0.05, abs=0.02)   # its due time
+    ttft = next(e for e in events if isinstance(e, ev.FirstToken) and e.request_id == second.request_id)
+    assert ttft.ttft_s == pytest.approx(ttft.t - second.arrival_t, abs=2e-3)
+    assert ttft.ttft_s > second.since_arrival_s
+
+
+def test_a_load_request_due_while_paused_arrives_at_the_resume():
+    paused_s = 0.4
+
+    def pause_then_resume(loop):
+        time.sleep(paused_s)
+        loop.resume()
+    events = run_load([TraceItem(0.05, 3, 4)], before_start=lambda loop: loop.pause(),
+                      while_running=pause_then_resume)
+    [arrived] = [e for e in events if isinstance(e, ev.RequestArrived)]
+    assert arrived.since_arrival_s < 0.1           # not the 0.35 s it was due before the resume
