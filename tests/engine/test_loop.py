@@ -1,4 +1,5 @@
-"""EngineLoop: commands between steps, and no observer or failed step stops the engine."""
+"""EngineLoop: commands between steps, no observer or failed step stops the engine, and the built-in
+load's requests arrive at their due time."""
 import threading
 import time
 
