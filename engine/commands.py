@@ -136,7 +136,7 @@ def cmd_record(args) -> int:
                   header_extra={"engine": setup}) as recorder:
         loop = EngineLoop(engine, load=load, load_seed=args.seed).start()
         try:
-            _wait_for_end(args, loop, load)
+            _wait_for_end(args, loop)
         except KeyboardInterrupt:
             pass
         loop.stop()
@@ -147,13 +147,13 @@ def cmd_record(args) -> int:
     return 0
 
 
-def _wait_for_end(args, loop, load) -> None:
+def _wait_for_end(args, loop) -> None:
     """Until --duration has passed, or a --trace is all served and no request is left, or the loop died."""
     started = time.monotonic()
     while loop.running:
         if args.duration is not None and time.monotonic() - started >= args.duration:
             return
-        if args.trace and load.exhausted and not loop.call(loop.engine.has_unfinished):
+        if args.trace and loop.served_load():
             return
         time.sleep(0.05)
 

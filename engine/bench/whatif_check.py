@@ -101,9 +101,8 @@ def run_real(loaded, trace: list[TraceItem], model: str = "tiny", **config) -> t
     engine = Engine(config, sink=events.append, loaded=loaded)
     header = make_header(model, engine.knobs(),
                          engine=engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len))
-    load = TraceLoad(list(trace))
-    loop = EngineLoop(engine, load=load).start()
-    while loop.running and not (load.exhausted and not loop.call(engine.has_unfinished)):
+    loop = EngineLoop(engine, load=TraceLoad(list(trace))).start()
+    while loop.running and not loop.served_load():
         time.sleep(0.05)
     loop.stop()
     if loop.error is not None:

@@ -69,6 +69,11 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def served_load(self) -> bool:
+        """A trace load has handed out its last request and the engine has finished every request
+        (any thread)."""
+        return self.load.exhausted and not self.call(self.engine.has_unfinished)
+
     # -- commands (any thread) ---------------------------------------------------------------
 
     def call(self, fn: Callable[[], object], timeout: float = 30.0):

@@ -104,8 +104,7 @@ def run_load(items, before_start=None, while_running=None) -> list:
     """The tiny engine's loop over a trace load until every request finished; its events."""
     events = []
     engine = Engine(EngineConfig(model="tiny", max_num_seqs=4), sink=events.append, loaded=load_model("tiny"))
-    load = TraceLoad(items)
-    loop = EngineLoop(engine, load=load)
+    loop = EngineLoop(engine, load=TraceLoad(items))
     if before_start is not None:
         before_start(loop)
     loop.start()
@@ -113,7 +112,7 @@ def run_load(items, before_start=None, while_running=None) -> list:
         if while_running is not None:
             while_running(loop)
         deadline = time.monotonic() + 60
-        while not (load.exhausted and not loop.call(engine.has_unfinished)):
+        while not loop.served_load():
             assert time.monotonic() < deadline
             time.sleep(0.01)
     finally:
