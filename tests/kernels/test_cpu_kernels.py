@@ -240,3 +240,21 @@ def test_argmax_rows_is_torch_argmax_ties_nans_and_signed_zeros_included():
     edge[4, 99] = float("inf")
     edge[5, 0] = -float("nan")
     assert torch.equal(cpu.argmax_rows(edge), edge.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_argmax_rows_split_across_threads_keeps_torchs_answer(rows):
+    """Fewer rows than 4x the threads: each row's vocabulary is split among the threads; the slices'
+    winners are compared in order, so a tie across a slice boundary still gives the first index."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        logits = torch.randn(rows, 49152)
+        assert torch.equal(cpu.argmax_rows(logits), logits.argmax(dim=-1))
+        logits[:, 100] = logits[:, 40000] = 50.0                    # a tie in two slices: the first
+        assert cpu.argmax_rows(logits).tolist() == [100] * rows
+        logits[:, 30000] = float("inf")
+        logits[:, 45000] = float("nan")                            # NaN in the later slice beats inf
+        assert torch.equal(cpu.argmax_rows(logits), logits.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(threads)
