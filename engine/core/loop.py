@@ -18,7 +18,7 @@ from typing import Callable
 from batchtop.engine.workload.arrivals import check_load_knob, item_prompt, synthetic_prompt
 from batchtop.telemetry.protocol.commands import CommandQueue
 
-from . import openmp
+from . import heap, openmp
 from .engine import Engine, RequestOutput
 from .sampling import SamplingParams
 
@@ -50,6 +50,7 @@ class EngineLoop:
 
     def start(self) -> "EngineLoop":
         openmp.release_workers()              # the caller's: the engine thread's team is then the only one
+        heap.freeze()                         # no full collection of the start-up heap mid-step
         self._started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="batchtop-engine", daemon=True)
         self._thread.start()

@@ -1,7 +1,9 @@
 """EngineLoop: commands between steps, no observer or failed step stops the engine, and the built-in
-load's requests arrive at their due time."""
+load's requests arrive at their due time; what is alive at the start is frozen."""
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -155,3 +157,24 @@ def test_a_load_request_due_while_paused_arrives_at_the_resume():
                       while_running=pause_then_resume)
     [arrived] = [e for e in events if isinstance(e, ev.RequestArrived)]
     assert arrived.since_arrival_s < 0.1           # not the 0.35 s it was due before the resume
+
+
+def test_what_is_alive_at_the_start_is_out_of_the_collectors_scans_and_garbage_then_is_collected():
+    class Node:
+        pass
+    kept = [Node() for _ in range(1000)]
+    cycle = Node()
+    cycle.self = cycle
+    garbage = weakref.ref(cycle)
+    del cycle
+    engine = Engine(EngineConfig(model="tiny", max_num_seqs=4), sink=lambda e: None, loaded=load_model("tiny"))
+    loop = EngineLoop(engine).start()
+    try:
+        assert garbage() is None                     # collected before the freeze, not kept for good
+        scanned = {id(o) for o in gc.get_objects()}   # generations 0-2: what a collection walks
+        assert id(kept) not in scanned and not any(id(node) in scanned for node in kept)
+        assert gc.get_freeze_count() >= len(kept)
+        after = [Node()]
+        assert id(after) in {id(o) for o in gc.get_objects()}
+    finally:
+        loop.stop()
