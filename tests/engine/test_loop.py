@@ -167,7 +167,8 @@ def test_what_is_alive_at_the_start_is_out_of_the_collectors_scans_and_garbage_t
     cycle.self = cycle
     garbage = weakref.ref(cycle)
     del cycle
-    engine = Engine(EngineConfig(model="tiny", max_num_seqs=4), sink=lambda e: None, loaded=load_model("tiny"))
+    engine = Engine(EngineConfig(model="tiny", max_num_seqs=4), sink=lambda e: None,
+                    loaded=load_model("tiny"))
     loop = EngineLoop(engine).start()
     try:
         assert garbage() is None                     # collected before the freeze, not kept for good
