@@ -15,8 +15,7 @@ from __future__ import annotations
 import gc
 
 
-def freeze() -> int:
-    """Collect, then move every object alive into the permanent generation: the count frozen."""
+def freeze() -> None:
+    """Collect, then move every object alive into the permanent generation."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
