@@ -169,13 +169,24 @@ def test_the_budget_and_the_chunk_threshold_lowered_under_long_prompts_bound_the
     turn(events_url, "long_prefill_token_threshold", 32)
 
     async def load():
+        # paused while the four arrive, so they share steps however slowly the machine serves them
+        # (one after another, each would take the whole budget: vLLM caps no chunk with nobody to starve)
+        assert httpx.post(f"{events_url}/v1/pause", headers=AUTH).json() == {"paused": True}
         client = _client(base_url)
         async with client:
-            return await asyncio.gather(*[_completion(client, f"{i} " + PROMPT, 4) for i in range(4)])
+            tasks = [asyncio.ensure_future(_completion(client, f"{i} " + PROMPT, 4)) for i in range(4)]
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and sum(
+                isinstance(e, ev.RequestArrived) and e.t > started for e in follower.collect()
+            ) < 4:
+                await asyncio.sleep(0.05)
+            assert httpx.post(f"{events_url}/v1/resume", headers=AUTH).status_code == 200
+            return await asyncio.gather(*tasks)
 
     try:
         responses = asyncio.run(load())
     finally:
+        httpx.post(f"{events_url}/v1/resume", headers=AUTH)
         turn(events_url, "max_num_batched_tokens", budget)
         turn(events_url, "long_prefill_token_threshold", threshold)
     assert all(r.usage.prompt_tokens > 96 for r in responses)
