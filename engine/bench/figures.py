@@ -40,6 +40,12 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def span(values, unit: str = "s") -> str:
+    """A range of whole numbers as words: "5-8 s", or "5 s" where they round to one value."""
+    low, high = f"{min(values):.0f}", f"{max(values):.0f}"
+    return f"{low} {unit}" if low == high else f"{low}-{high} {unit}"
+
+
 def commit() -> str:
     """The commit the running code came from: HEAD when this module was first imported (a benchmark's
     start), not when its figures are written (the checkout may have moved on meanwhile)."""

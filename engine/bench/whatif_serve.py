@@ -32,7 +32,7 @@ from batchtop.engine.whatif.grid import predict
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
 from batchtop.telemetry.recorder import make_header
 
-from .figures import commit, cpu_name, publish
+from .figures import commit, cpu_name, publish, span
 from .whatif_check import (
     DOC,
     LoadWatch,
@@ -147,7 +147,7 @@ def report(args, saved: dict) -> str:
              f"{date.today().isoformat()}, commit {saved['commit']}, {cpu_name()}, {load_words(saved)}, "
              f"{args.model}, {saved['kernels']}. Command: {command} ({saved['seconds'] / 60:.0f} min). Each "
              f"server: `{saved['command']}` (the point's `--max-num-seqs`, or `--max-num-batched-tokens`; "
-             f"each healthy {min(startup):.0f}-{max(startup):.0f} s after its launch).", "",
+             f"each healthy {span(startup)} after its launch).", "",
              f"Trace: {trace_words(args)}; prompts random token ids, `ignore_eos`, no prefix caching{pool}; "
              "one streaming completions client sends each request at its arrival time, in this process "
              f"beside the server's. {args.repeats} rounds, each: the server launched at "

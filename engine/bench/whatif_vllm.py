@@ -34,7 +34,7 @@ from batchtop.engine.whatif.recording import read_recording
 from batchtop.engine.whatif.vllm_replay import HarnessProcess, predict_through_harness, whatif_vllm
 from batchtop.telemetry.recorder import make_header, write_log
 
-from .figures import commit, cpu_name, publish
+from .figures import commit, cpu_name, publish, span
 from .serving import VOCAB_HIGH, VOCAB_LOW, BenchRequest, OpenAIBackend, RequestResult, summarize
 from .sweep_launch import server_counters
 from .vllm_scheduler import EventFollower
@@ -329,7 +329,7 @@ def report(args, saved: dict) -> str:
              "SmolLM2-135M in float32. "
              f"Command: {command} ({saved['seconds'] / 60:.0f} min). Each server: `{saved['command']}` "
              "(the point's `--max-num-seqs`, or `--max-num-batched-tokens`; "
-             f"each healthy {min(startup):.0f}-{max(startup):.0f} s after its launch).", "",
+             f"each healthy {span(startup)} after its launch).", "",
              f"Trace: {trace_words(args)}; prompts random token ids, `ignore_eos`, no "
              f"prefix caching{pool}; one streaming completions client sends each request at its arrival "
              f"time. {args.repeats} rounds, each: vLLM launched at max_num_seqs={args.recorded} and the "
@@ -343,8 +343,8 @@ def report(args, saved: dict) -> str:
             m["duration_s"] for p in results for m in p["measured"])
         at_300 = saved["seconds"] + runs_s * (300 / args.requests - 1)
         lines += [f"{args.requests} requests, not the 300 or more the check asks for: on this machine a "
-                  f"round ({len(results) + 1} vLLM launches, each healthy in {min(startup):.0f}-"
-                  f"{max(startup):.0f} s, and {len(results) + 1} runs of the trace) took "
+                  f"round ({len(results) + 1} vLLM launches, each healthy in {span(startup)}, "
+                  f"and {len(results) + 1} runs of the trace) took "
                   f"{min(round_min):.0f}-{max(round_min):.0f} min with {args.requests}, the runs "
                   f"{runs_s / saved['seconds']:.0%} of it, so {args.repeats} rounds of 300 would have taken "
                   f"about {at_300 / 3600:.1f} h; fewer requests kept the rounds (the runs' spread) instead.",

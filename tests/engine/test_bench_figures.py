@@ -27,3 +27,10 @@ def test_publish_prints_and_writes_only_when_asked(tmp_path, capsys):
     publish("## A", "## A\n\nnew a\n", write=True, doc=doc)
     assert doc.read_text() == "# Benchmarks\n\n## A\n\nnew a\n"
     assert capsys.readouterr().out == "## A\n\nnew a\n\n" * 2
+
+
+def test_a_range_that_rounds_to_one_value_is_said_once():
+    from batchtop.engine.bench.figures import span
+    assert span([4.6, 5.1, 5.4]) == "5 s"
+    assert span([4.4, 5.1, 8.0]) == "4-8 s"
+    assert span([2, 3], "min") == "2-3 min"
