@@ -48,7 +48,9 @@ from .whatif_check import (
     trace_words,
 )
 from .whatif_vllm import (
+    check_args,
     load_words,
+    rendered_args,
     run_launched,
     run_rounds,
     trace_requests,
@@ -110,8 +112,9 @@ def make_parser():
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.render:
-        return publish(section(args), report(args, json.loads(Path(args.render).read_text())),
-                       write=args.write, doc=DOC)
+        saved = json.loads(Path(args.render).read_text())
+        args = rendered_args(args, saved, section)
+        return publish(section(args), report(args, saved), write=args.write, doc=DOC)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trace = trace_of(args)
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     load = LoadWatch()
     points = [{"max_num_seqs": int(v)} for v in args.values.split(",") if v]
     points.append({"max_num_batched_tokens": args.budget})
-    saved = {"section": section(args), "started": time.time(), "commit": commit(), "kernels": kernels_words(),
+    saved = {"section": section(args), "started": time.time(), "commit": commit(), "args": check_args(args),
+             "kernels": kernels_words(),
              "command": shlex.join(["batchtop", *serve_command(args, {})]), "rounds": [],
              "points": [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []}
                         for changed in points]}

@@ -156,6 +156,25 @@ def run_rounds(args, saved: dict, launch: Callable[[dict, Path], dict], header: 
                 Path(args.json).write_text(json.dumps(saved, default=str))
 
 
+RUN_ONLY = ("render", "repredict", "write", "json")      # how this invocation runs, not what the check was
+
+
+def check_args(args) -> dict:
+    """What the check ran with, kept in its --json so --render writes it as it was run."""
+    return {name: value for name, value in vars(args).items() if name not in RUN_ONLY}
+
+
+def rendered_args(args, saved: dict, section: Callable):
+    """--render: the options the saved check ran with (this command line's run-only flags kept). A file
+    from before they were kept renders with this command line's, which must name the check's section."""
+    if "args" in saved:
+        return argparse.Namespace(**{**vars(args), **saved["args"]})
+    if section(args) != saved["section"]:
+        raise SystemExit(f"error: {args.render} holds the check of {saved['section']!r}, not "
+                         f"{section(args)!r}: give --render the options that check ran with")
+    return args
+
+
 def wait_port_free(port: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -267,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.render:
         saved = json.loads(Path(args.render).read_text())
+        args = rendered_args(args, saved, section)
         if args.repredict:
             repredict(saved)
             if args.json:
@@ -281,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     load = LoadWatch()
     points = [{"max_num_seqs": v} for v in map(int, args.values.split(","))]
     points.append({"max_num_batched_tokens": args.budget})
-    saved = {"section": section(args), "started": time.time(), "commit": commit(),
+    saved = {"section": section(args), "started": time.time(), "commit": commit(), "args": check_args(args),
              "command": shell_line(options(args, model, {})),
              "rounds": [],
              "points": [{"knobs": changed, "predicted": [], "measured": [], "compute_s": []}

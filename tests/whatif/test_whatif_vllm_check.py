@@ -4,6 +4,9 @@ as a recording of vLLM 0.32 whose harness set-up is the server's; the client's f
 what-if row's keys; the table's arithmetic and verdicts."""
 from __future__ import annotations
 
+import json
+
+import pytest
 from whatif_helpers import linear_law, synthetic_recording
 
 from batchtop.engine.bench import whatif_vllm
@@ -107,3 +110,27 @@ def test_the_report_renders_from_the_saved_points():
     assert text.startswith("## Predicted against measured: vLLM 0.32, a pool of 12 blocks of 32 tokens\n")
     assert "a pool of 12 blocks of 32 tokens (vLLM's null block included)" in text
     assert "--num-gpu-blocks 12 --block-size 32 " in text
+
+
+def test_render_writes_the_check_with_the_options_it_ran_with(tmp_path, capsys):
+    ran = whatif_vllm.make_parser().parse_args(
+        "--requests 40 --recorded 4 --values 8 --repeats 1 --num-gpu-blocks 7 --output-mean 100".split())
+    rnd = {"steps": 100, "wall_s": 20.0, "matching": 100, "identity_steps": 100, "law": "tokens", "mape": 0.1,
+           "slowdown": 1.0, "gap": "100 us", "output_tok_s": 50.0, "ttft_p50_s": 0.5, "startup_s": 30.0,
+           "round_s": 600.0, "client": {"duration_s": 100.0}}
+    row = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "itl_p50_s": 0.03, "output_tok_s": 60.0, "preemptions": 0}
+    saved = {"section": whatif_vllm.section(ran), "seconds": 600, "command": "vllm ...", "rounds": [rnd],
+             "points": [{"knobs": {"max_num_seqs": 8}, "predicted": [row],
+                         "measured": [{**row, "duration_s": 100.0, "startup_s": 30.0}], "compute_s": [1.5]}]}
+    path = tmp_path / "check.json"
+    path.write_text(json.dumps({**saved, "args": whatif_vllm.check_args(ran)}))
+    assert whatif_vllm.main(["--render", str(path)]) == 0          # no options: the saved ones
+    text = capsys.readouterr().out
+    assert text.startswith("## Predicted against measured: vLLM 0.32, a pool of 7 blocks\n")
+    assert "--requests 40 --rate 3 --recorded 4 --values 8 --budget 64 --num-gpu-blocks 7 " in text
+    # a file from before the options were kept, rendered with another check's options: refused
+    path.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="holds the check of '## Predicted against measured: vLLM 0.32, a "
+                                         "pool of 7 blocks'"):
+        whatif_vllm.main(["--render", str(path)])
+    assert whatif_vllm.main(["--render", str(path), "--num-gpu-blocks", "7"]) == 0
