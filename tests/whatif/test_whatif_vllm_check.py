@@ -78,13 +78,20 @@ def test_the_table_gives_a_verdict_only_where_the_error_exceeds_the_measured_spr
     assert "| -30 | missed |" in rows["preemptions"]
 
 
+ROW = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "itl_p50_s": 0.03, "output_tok_s": 60.0, "preemptions": 0}
+
+
+def saved_round(startup_s: float) -> dict:
+    """One round of a saved check: its recording's summary."""
+    return {"steps": 100, "wall_s": 20.0, "matching": 100, "identity_steps": 100, "law": "tokens",
+            "mape": 0.1, "slowdown": 1.0, "gap": "100 us", "output_tok_s": 50.0, "ttft_p50_s": 0.5,
+            "startup_s": startup_s, "round_s": 600.0, "client": {"duration_s": 100.0}}
+
+
 def test_the_report_renders_from_the_saved_points():
     args = whatif_vllm.make_parser().parse_args(
         "--requests 40 --recorded 4 --values 8 --repeats 1 --output-mean 100 --max-output 256".split())
-    rnd = {"steps": 100, "wall_s": 20.0, "matching": 100, "identity_steps": 100, "law": "tokens", "mape": 0.1,
-           "slowdown": 1.0, "gap": "100 us", "output_tok_s": 50.0, "ttft_p50_s": 0.5, "startup_s": 60.0,
-           "round_s": 600.0, "client": {"duration_s": 100.0}}
-    row = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "itl_p50_s": 0.03, "output_tok_s": 60.0, "preemptions": 0}
+    rnd, row = saved_round(60.0), ROW
     saved = {"seconds": 600, "command": "vllm ...", "rounds": [rnd], "load": [0.4, 1.9, 1.2],
              "points": [{"knobs": {"max_num_seqs": 8}, "predicted": [row],
                          "measured": [{**row, "output_tok_s": 58.0, "duration_s": 100.0, "startup_s": 30.0}],
@@ -115,10 +122,7 @@ def test_the_report_renders_from_the_saved_points():
 def test_render_writes_the_check_with_the_options_it_ran_with(tmp_path, capsys):
     ran = whatif_vllm.make_parser().parse_args(
         "--requests 40 --recorded 4 --values 8 --repeats 1 --num-gpu-blocks 7 --output-mean 100".split())
-    rnd = {"steps": 100, "wall_s": 20.0, "matching": 100, "identity_steps": 100, "law": "tokens", "mape": 0.1,
-           "slowdown": 1.0, "gap": "100 us", "output_tok_s": 50.0, "ttft_p50_s": 0.5, "startup_s": 30.0,
-           "round_s": 600.0, "client": {"duration_s": 100.0}}
-    row = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "itl_p50_s": 0.03, "output_tok_s": 60.0, "preemptions": 0}
+    rnd, row = saved_round(30.0), ROW
     saved = {"section": whatif_vllm.section(ran), "seconds": 600, "command": "vllm ...", "rounds": [rnd],
              "points": [{"knobs": {"max_num_seqs": 8}, "predicted": [row],
                          "measured": [{**row, "duration_s": 100.0, "startup_s": 30.0}], "compute_s": [1.5]}]}
