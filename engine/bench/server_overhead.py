@@ -16,16 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 
-import httpx
-
 from batchtop.engine.bench import serving as bs
 from batchtop.engine.core.config import EngineConfig
+from batchtop.engine.vllm.launch import LaunchedServer
 
 from .figures import commit, cpu_name, publish
 
@@ -38,21 +37,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, extra: list[str]) -> subprocess.Popen:
+def start_server(model: str, port: int, extra: list[str]) -> LaunchedServer:
     cmd = [sys.executable, "-m", "batchtop.tui.cli", "serve", "--model", model, "--port", str(port), *extra]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited: {process.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("server did not start")
+    server = LaunchedServer(cmd, f"http://127.0.0.1:{port}")
+    try:
+        server.wait_healthy(300)
+    except RuntimeError:
+        server.stop()
+        raise
+    return server
 
 
 def overhead(args) -> dict:
@@ -73,7 +66,7 @@ def overhead(args) -> dict:
                 best["server"] = summary
             print(f"server   {summary['output_throughput']:.1f} tok/s", file=sys.stderr)
             # SIGSTOP: the idle server must not take CPU from the embedded run
-            server.send_signal(19)
+            server.process.send_signal(signal.SIGSTOP)
             try:
                 import torch
 
@@ -83,7 +76,7 @@ def overhead(args) -> dict:
                 bs.bench_embedded(config, requests[: args.concurrency], loaded=loaded, **run)   # warm-up
                 results, duration, _ = bs.bench_embedded(config, requests, loaded=loaded, **run)
             finally:
-                server.send_signal(18)        # SIGCONT
+                server.process.send_signal(signal.SIGCONT)
             summary = bs.summarize(results, duration)
             best["runs"]["embedded"].append(summary["output_throughput"])
             fastest = best["embedded"]
@@ -91,8 +84,7 @@ def overhead(args) -> dict:
                 best["embedded"] = summary
             print(f"embedded {summary['output_throughput']:.1f} tok/s", file=sys.stderr)
     finally:
-        server.terminate()
-        server.wait(30)
+        server.stop()
     best["ratio"] = best["server"]["output_throughput"] / best["embedded"]["output_throughput"]
     best["requests"] = (args.num_prompts, args.input_len, args.output_len, args.concurrency)
     return best

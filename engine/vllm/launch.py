@@ -3,7 +3,9 @@
 A launched server runs in a process group of its own, its output goes to a log file, and
 `stop()` ends the whole group (vLLM's API server, engine core and worker are three
 processes), so nothing is left running. `wait_healthy()` polls `/health` and fails early,
-with the log's tail, when the process dies.
+with the log's tail, when the process dies. SIGTERM to the process that launched servers is passed
+on to every server it has not stopped (then handled as before): SIGTERM's default action ends a
+process without its `finally` blocks, and a benchmark stopped with `kill` left its server on its port.
 
 vLLM is started the way its release recommends, from its own virtual environment: `vllm serve`
 where the distribution is PyPI's `vllm` (0.33 on), `python -m vllm.entrypoints.openai.api_server`
@@ -17,6 +19,7 @@ import shlex
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,11 +109,42 @@ def vllm_env(options: VllmOptions, base: dict | None = None) -> dict[str, str]:
     return env
 
 
+_running_groups: set[int] = set()       # the process groups of the servers not yet stopped
+_previous_sigterm = None
+
+
+def _pass_sigterm_on(signum: int, frame) -> None:
+    """SIGTERM every running server's group, then what SIGTERM did before."""
+    for pgid in list(_running_groups):
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    if callable(_previous_sigterm):
+        _previous_sigterm(signum, frame)
+    else:                                   # the default action: end the process
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def pass_sigterm_on() -> None:
+    """Install `_pass_sigterm_on` (main thread only; idempotent). A process started with SIGTERM
+    ignored keeps ignoring it: nothing ends it, so its servers go on too."""
+    global _previous_sigterm
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not _pass_sigterm_on and previous != signal.SIG_IGN:
+        _previous_sigterm = previous
+        signal.signal(signal.SIGTERM, _pass_sigterm_on)
+
+
 class LaunchedServer:
     """A server process in its own process group, with its output in `log_path`."""
 
     def __init__(self, command: list[str] | str, url: str, *, env: dict | None = None,
                  log_path: str | os.PathLike | None = None):
+        pass_sigterm_on()
         self.command = command
         self.url = url.rstrip("/")
         if log_path is None:
@@ -122,6 +156,7 @@ class LaunchedServer:
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
         self.pgid = self.process.pid            # start_new_session: the child leads its own group
+        _running_groups.add(self.pgid)
 
     def wait_healthy(self, timeout: float = 300.0, poll_s: float = 0.5) -> float:
         """Seconds until `/health` answered 200; RuntimeError (with the log's tail) if the process
@@ -166,13 +201,20 @@ class LaunchedServer:
                 os.killpg(self.pgid, sig)
             except ProcessLookupError:
                 break
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                self.process.poll()              # reap the leader, or it stays a zombie of the group
-                if not self.group_alive():
-                    return
-                time.sleep(0.1)
+            if self._gone_within(wait_s):
+                break
         self.process.poll()
+        if not self.group_alive():
+            _running_groups.discard(self.pgid)
+
+    def _gone_within(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.process.poll()                  # reap the leader, or it stays a zombie of the group
+            if not self.group_alive():
+                return True
+            time.sleep(0.1)
+        return False
 
     def __enter__(self) -> LaunchedServer:
         return self

@@ -1,10 +1,15 @@
 """`batchtop sweep --launch`: a server started, measured and stopped per max_num_seqs value."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 from metrics_helpers import skip_without_vllm, stock_vllm_options
 
@@ -20,6 +25,35 @@ def group_gone(pgid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def test_sigterm_to_the_sweep_ends_the_server_it_launched(tmp_path):
+    """SIGTERM's default action would end the sweep without its `finally`: the server is passed the
+    signal instead of being left running on its port."""
+    pid_file = tmp_path / "server.pid"
+    command = "sh -c " + shlex.quote(f"echo $$ > {pid_file}; exec sleep 60{{max_num_seqs}}")
+    sweep = subprocess.Popen([sys.executable, "-m", "batchtop.tui.cli", "sweep", "--launch", command,
+                              "--max-num-seqs", "1", "--base-url", "http://127.0.0.1:8297"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert sweep.poll() is None, sweep.stderr.read()
+            assert time.monotonic() < deadline, "the sweep launched nothing"
+            time.sleep(0.1)
+        pgid = os.getpgid(int(pid_file.read_text()))
+        assert pgid != os.getpgid(sweep.pid)        # its own group: the sweep's signal does not reach it
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=30) == -signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while not group_gone(pgid):
+            assert time.monotonic() < deadline, "the launched server outlived the sweep"
+            time.sleep(0.1)
+    finally:
+        sweep.kill()
+        if pid_file.exists() and pid_file.read_text().strip():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_a_server_that_does_not_start_is_reported_and_the_sweep_goes_on(tmp_path, capsys):
