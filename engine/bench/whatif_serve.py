@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import statistics
 import sys
 import time
 from datetime import date
@@ -38,8 +37,6 @@ from .whatif_check import (
     LoadWatch,
     check_parser,
     comparison_table,
-    error,
-    format_value,
     kernels_words,
     recordings_table,
     round_summary,
@@ -53,6 +50,7 @@ from .whatif_vllm import (
     rendered_args,
     run_launched,
     run_rounds,
+    server_table,
     trace_requests,
 )
 
@@ -166,26 +164,6 @@ def report(args, saved: dict) -> str:
     lines += ["", f"What-if compute time per point: {min(speed):.2f}-{max(speed):.2f} s for {args.requests} "
                   f"requests, against {min(wall):.1f}-{max(wall):.1f} s recorded."]
     return "\n".join(lines)
-
-
-def server_table(results: list[dict]) -> list[str]:
-    """The latencies against the server's own figures (its events), beside the client's: what the HTTP path
-    adds, which no recording of the engine shows."""
-    lines = ["The same latencies against the server's own figures (from its events: from a request's arrival "
-             "at the engine to its tokens, without the HTTP request and the stream), medians over the "
-             "rounds:", "",
-             "| knobs | metric | predicted | server | error against the server | client |",
-             "|---|---|---|---|---|---|"]
-    for point in results:
-        knobs = ", ".join(f"{k}={v}" for k, v in point["knobs"].items())
-        for label, key in (("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"), ("ITL p50", "itl_p50_s")):
-            predicted = statistics.median(p[key] for p in point["predicted"])
-            server = statistics.median(m["server"][key] for m in point["measured"])
-            client = statistics.median(m[key] for m in point["measured"])
-            lines.append(f"| {knobs} | {label} | {format_value(predicted, key)} | "
-                         f"{format_value(server, key)} | {error(predicted, server):+.0%} | "
-                         f"{format_value(client, key)} |")
-    return lines
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import asyncio
 import json
 import random
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from datetime import date
@@ -44,6 +45,8 @@ from .whatif_check import (
     LoadWatch,
     check_parser,
     comparison_table,
+    error,
+    format_value,
     point_name,
     recordings_table,
     round_summary,
@@ -313,6 +316,26 @@ def main(argv: list[str] | None = None) -> int:
     return publish(section(args), report(args, saved), write=args.write, doc=DOC)
 
 
+def server_table(results: list[dict]) -> list[str]:
+    """The latencies against the server's own figures (its events), beside the client's: what the HTTP path
+    adds, which no recording of the engine shows."""
+    lines = ["The same latencies against the server's own figures (from its events: from a request's arrival "
+             "as the server stamps it to its tokens as the engine makes them, without the HTTP request and "
+             "the stream back), medians over the rounds:", "",
+             "| knobs | metric | predicted | server | error against the server | client |",
+             "|---|---|---|---|---|---|"]
+    for point in results:
+        knobs = ", ".join(f"{k}={v}" for k, v in point["knobs"].items())
+        for label, key in (("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"), ("ITL p50", "itl_p50_s")):
+            predicted = statistics.median(p[key] for p in point["predicted"])
+            server = statistics.median(m["server"][key] for m in point["measured"])
+            client = statistics.median(m[key] for m in point["measured"])
+            lines.append(f"| {knobs} | {label} | {format_value(predicted, key)} | "
+                         f"{format_value(server, key)} | {error(predicted, server):+.0%} | "
+                         f"{format_value(client, key)} |")
+    return lines
+
+
 def load_words(saved: dict) -> str:
     if "load" not in saved:       # a file written before the load was read
         return "2 vCPUs shared with other work"
@@ -374,7 +397,7 @@ def report(args, saved: dict) -> str:
                   f"from the same recordings at commit {saved['predicted_at']} (`--render JSON "
                   "--repredict`).", ""]
     lines += ["The recordings:", "", *recordings_table(rounds), "",
-             *comparison_table(results)]
+             *comparison_table(results), "", *server_table(results)]
     speed = [s for p in results for s in p["compute_s"]]
     wall = [r["wall_s"] for r in rounds]
     if speed:

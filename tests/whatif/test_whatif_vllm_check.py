@@ -79,6 +79,7 @@ def test_the_table_gives_a_verdict_only_where_the_error_exceeds_the_measured_spr
 
 
 ROW = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "itl_p50_s": 0.03, "output_tok_s": 60.0, "preemptions": 0}
+SERVER = {"ttft_p50_s": 0.8, "ttft_p99_s": 1.9, "itl_p50_s": 0.03}       # the server's events: no HTTP
 
 
 def saved_round(startup_s: float) -> dict:
@@ -94,7 +95,8 @@ def test_the_report_renders_from_the_saved_points():
     rnd, row = saved_round(60.0), ROW
     saved = {"seconds": 600, "command": "vllm ...", "rounds": [rnd], "load": [0.4, 1.9, 1.2],
              "points": [{"knobs": {"max_num_seqs": 8}, "predicted": [row],
-                         "measured": [{**row, "output_tok_s": 58.0, "duration_s": 100.0, "startup_s": 30.0}],
+                         "measured": [{**row, "output_tok_s": 58.0, "duration_s": 100.0, "startup_s": 30.0,
+                                       "server": SERVER}],
                          "compute_s": [1.5]}]}
     text = whatif_vllm.report(args, saved)
     assert text.startswith("## Predicted against measured: vLLM 0.32\n")
@@ -105,6 +107,9 @@ def test_the_report_renders_from_the_saved_points():
     assert "each healthy in 30-60 s" in text and "the runs 33% of it" in text
     assert "would have taken about 0.5 h" in text
     assert "| max_num_seqs=8 | output tok/s | 60.0 | 0% | 58.0 | 0% | +3% | ok | 5% |" in text
+    # the prediction against the server's own latencies, the client's beside them
+    assert "| max_num_seqs=8 | TTFT p50 | 1.00 s | 800.0 ms | +25% | 1.00 s |" in text
+    assert "| max_num_seqs=8 | TTFT p99 | 2.00 s | 1.90 s | +5% | 2.00 s |" in text
     assert "made again" not in text
     again = whatif_vllm.report(args, {**saved, "commit": "aaa111", "predicted_at": "bbb222"})
     assert "The real runs are those of commit aaa111; every prediction was made again from the same " \
@@ -125,7 +130,8 @@ def test_render_writes_the_check_with_the_options_it_ran_with(tmp_path, capsys):
     rnd, row = saved_round(30.0), ROW
     saved = {"section": whatif_vllm.section(ran), "seconds": 600, "command": "vllm ...", "rounds": [rnd],
              "points": [{"knobs": {"max_num_seqs": 8}, "predicted": [row],
-                         "measured": [{**row, "duration_s": 100.0, "startup_s": 30.0}], "compute_s": [1.5]}]}
+                         "measured": [{**row, "duration_s": 100.0, "startup_s": 30.0, "server": SERVER}],
+                         "compute_s": [1.5]}]}
     path = tmp_path / "check.json"
     path.write_text(json.dumps({**saved, "args": whatif_vllm.check_args(ran)}))
     assert whatif_vllm.main(["--render", str(path)]) == 0          # no options: the saved ones
