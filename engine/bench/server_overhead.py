@@ -37,15 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, extra: list[str]) -> LaunchedServer:
-    cmd = [sys.executable, "-m", "batchtop.tui.cli", "serve", "--model", model, "--port", str(port), *extra]
-    server = LaunchedServer(cmd, f"http://127.0.0.1:{port}")
-    try:
-        server.wait_healthy(300)
-    except RuntimeError:
-        server.stop()
-        raise
-    return server
+def serve_command(model: str, port: int, max_num_seqs: int) -> list[str]:
+    return [sys.executable, "-m", "batchtop.tui.cli", "serve", "--model", model, "--port", str(port),
+            "--max-num-seqs", str(max_num_seqs)]
 
 
 def overhead(args) -> dict:
@@ -53,10 +47,10 @@ def overhead(args) -> dict:
     run = dict(max_concurrency=args.concurrency, seed=0)
     config = EngineConfig(model=args.model, max_num_seqs=args.concurrency)
     port = free_port()
-    server = start_server(args.model, port, ["--max-num-seqs", str(args.concurrency)])
     url = f"http://127.0.0.1:{port}"
     best = {"server": None, "embedded": None, "runs": {"server": [], "embedded": []}}
-    try:
+    with LaunchedServer(serve_command(args.model, port, args.concurrency), url) as server:
+        server.wait_healthy(300)
         bs.bench_server(url, args.model, requests[: args.concurrency], **run)        # warm-up
         for _ in range(args.repeats):
             results, duration = bs.bench_server(url, args.model, requests, **run)
@@ -83,8 +77,6 @@ def overhead(args) -> dict:
             if fastest is None or summary["output_throughput"] > fastest["output_throughput"]:
                 best["embedded"] = summary
             print(f"embedded {summary['output_throughput']:.1f} tok/s", file=sys.stderr)
-    finally:
-        server.stop()
     best["ratio"] = best["server"]["output_throughput"] / best["embedded"]["output_throughput"]
     best["requests"] = (args.num_prompts, args.input_len, args.output_len, args.concurrency)
     return best
