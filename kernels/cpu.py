@@ -43,6 +43,9 @@ BLOCK = 32                     # k per scale and offset of a block-packed weight
 # From this many rows a block weight's product runs on the AMX tile unit, where there is one (the
 # whole model's products, one process: 24 rows level with the FMA path, 20 rows 10% slower).
 AMX_MIN_ROWS = 24
+# With AVX2 alone, from this many rows torch's matmul runs the products (the whole model's, 2 threads:
+# packed 0.91x torch's time at 64 rows, 1.05x at 128, 1.26x at 256).
+AVX2_TORCH_FROM_ROWS = 128
 
 # an interrupted build's lock, untouched this long, is broken (a build takes ~1 min)
 STALE_LOCK_S = 300.0
@@ -306,11 +309,18 @@ def packed_linear(x: torch.Tensor, packed: PackedLinear,
 
 
 def products_pay() -> bool:
-    """Whether the packed products beat torch's fp32 matmul on this CPU: their tiles keep 8 rows x 48
-    columns in AVX-512's 32 registers. With AVX2 alone the same loop ran 2.5-20x slower than torch's
-    from 1 row to 64 (docs/kernels.md), so there the model's products stay torch's and only the fused
-    elementwise kernels and the attention run here."""
-    return available() and "avx512f" in cpu_features().split()
+    """Whether the packed products beat torch's fp32 matmul on this CPU: with AVX-512 (tiles of 8 rows
+    x 48 columns in its 32 registers) or AVX2 with FMA (tiles of 4 rows x 16 columns in 8 of its 16;
+    docs/kernels.md). Elsewhere the kernels' loops are the compiler's, and the products stay torch's."""
+    flags = set(cpu_features().split())
+    return available() and ("avx512f" in flags or {"avx2", "fma"} <= flags)
+
+
+def torch_products_from_rows() -> int | None:
+    """From how many rows torch's matmul is the faster product where the weights are packed (None:
+    never). With AVX2 alone the packed products are level with torch's from about 96 rows and 1.26x its
+    time at 256 (docs/kernels.md): prompt steps of this many tokens or more go to torch."""
+    return None if "avx512f" in cpu_features().split() else AVX2_TORCH_FROM_ROWS
 
 
 def amx_available() -> bool:

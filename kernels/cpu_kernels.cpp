@@ -146,12 +146,16 @@ constexpr int64_t PANEL = 48;
 constexpr int64_t X_BLOCK_FLOATS = 1 << 18;
 constexpr int64_t PREFETCH_L2_K = 64, PREFETCH_L1_K = 8;     // how many k ahead of the tile each prefetch runs
 constexpr int64_t LINE_FLOATS = 16;
-// Rows of a tile: its 3 x ROWS accumulators stay in registers (32 of AVX-512's; AVX2 has 16 of half
-// the width, so past 2 rows it would spill them to memory on every k).
+// Rows of a tile: its 3 x ROWS accumulators stay in registers (24 of AVX-512's 32). AVX2 has 16
+// registers of half the width: its tiles (below) run a third of the panel at a time, 4 rows x 16
+// columns in 8 registers.
 #ifdef __AVX512F__
 constexpr int64_t TILE_ROWS = 8;
 #else
-constexpr int64_t TILE_ROWS = 2;
+constexpr int64_t TILE_ROWS = 4;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define BATCHTOP_AVX2_TILES 1
 #endif
 
 template <int ROWS>
@@ -167,6 +171,7 @@ static inline void store_tile(const vec16 (&acc)[ROWS][3], float* __restrict out
     }
 }
 
+#ifndef BATCHTOP_AVX2_TILES
 // `ahead` / `ahead_lines`: cache lines to fetch into L2 while this tile runs (of the next panel)
 template <int ROWS>
 static void gemm_tile(const float* __restrict x, int64_t K, const float* __restrict panel,
@@ -191,6 +196,62 @@ static void gemm_tile(const float* __restrict x, int64_t K, const float* __restr
     }
     store_tile<ROWS>(acc, out, ldo, cols);
 }
+
+#else
+// The AVX2 tiles: a third of the panel (16 columns, two registers) at a time, so a tile of 4 rows keeps
+// its 8 accumulators, the k's 2 weights and the row's broadcast in 11 of the 16 registers (the
+// whole panel's 3 x 4 would spill on every k). x's rows are read three times, from L1; the panel's
+// later thirds come from L1/L2, fetched by the first. Each output is one FMA a k in k order, in the
+// block tiles as here, so block and fp32 panels give the same result bit for bit (tested). The last
+// panel's columns are masked stores: a copy through a buffer made GCC keep the accumulators on the
+// stack, stored on every k.
+template <int ROWS>
+__attribute__((always_inline)) static inline void store_third(const __m256 (&acc)[ROWS][2], float* __restrict out, int64_t ldo,
+                                                              int64_t cols) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lanes);
+    const __m256i high = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lanes);
+    #pragma GCC unroll 8
+    for (int m = 0; m < ROWS; ++m) {
+        _mm256_maskstore_ps(out + m * ldo, low, acc[m][0]);
+        _mm256_maskstore_ps(out + m * ldo + 8, high, acc[m][1]);
+    }
+}
+
+template <int ROWS>
+__attribute__((always_inline)) static inline void fma_rows(const float* __restrict x, int64_t K, int64_t k, __m256 w0, __m256 w1,
+                            __m256 (&acc)[ROWS][2]) {
+    __asm__("" : "+x"(w0), "+x"(w1));   // in registers: GCC would load them again as each FMA's operand
+    #pragma GCC unroll 8
+    for (int m = 0; m < ROWS; ++m) {
+        const __m256 a = _mm256_broadcast_ss(x + m * K + k);
+        acc[m][0] = _mm256_fmadd_ps(a, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(a, w1, acc[m][1]);
+    }
+}
+
+template <int ROWS>
+static void gemm_tile(const float* __restrict x, int64_t K, const float* __restrict panel,
+                      float* __restrict out, int64_t ldo, int64_t cols, const float* ahead, int64_t ahead_lines) {
+    const int64_t ahead_per_k = (ahead_lines + K - 1) / K;
+    for (int64_t third = 0; third < 3 && 16 * third < cols; ++third) {
+        __m256 acc[ROWS][2];
+        for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; ++k) {
+            const float* w = panel + k * PANEL;
+            if (third == 0) {                // a panel is at most 3 lines a k, so is a later tile's share
+                for (int64_t i = 0; i < 3; ++i)
+                    if (i < ahead_per_k && k * ahead_per_k + i < ahead_lines)
+                        __builtin_prefetch(ahead + LINE_FLOATS * (k * ahead_per_k + i), 0, 2);
+                for (int64_t j = 0; j < PANEL; j += LINE_FLOATS)
+                    __builtin_prefetch(w + PREFETCH_L2_K * PANEL + j, 0, 2);
+            }
+            fma_rows<ROWS>(x, K, k, _mm256_loadu_ps(w + 16 * third), _mm256_loadu_ps(w + 16 * third + 8), acc);
+        }
+        store_third<ROWS>(acc, out + 16 * third, ldo, cols - 16 * third);
+    }
+}
+#endif
 
 typedef void (*tile_fn)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*, int64_t);
 static const tile_fn TILES[9] = {nullptr, gemm_tile<1>, gemm_tile<2>, gemm_tile<3>, gemm_tile<4>,
@@ -259,6 +320,7 @@ static inline void decode_k(const uint8_t* row, const vec16 (&d)[3], const vec16
     }
 }
 
+#ifndef BATCHTOP_AVX2_TILES
 template <int ROWS, bool NIBBLES>
 static void gemm_tile_blocks(const float* __restrict x, int64_t K, const uint8_t* __restrict q,
                              const float* __restrict scale, const float* __restrict offset,
@@ -288,6 +350,64 @@ static void gemm_tile_blocks(const float* __restrict x, int64_t K, const uint8_t
     }
     store_tile<ROWS>(acc, out, ldo, cols);
 }
+
+#else
+// 8 q (int8, or 0..15 held one a byte) to floats, scaled and offset: the weights bit for bit.
+static inline __m256 decode8(__m128i bytes, __m256 scale, __m256 offset) {
+    return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), offset);
+}
+
+// One k of a third of the panel: its 16 weights in two registers (the nibble layout above: thirds 0
+// and 1 are the low and high halves of bytes 0-15, third 2 both halves of bytes 16-23).
+template <bool NIBBLES>
+__attribute__((always_inline)) static inline void decode_third(const uint8_t* row, int64_t third, const __m256 (&d)[2], const __m256 (&o)[2],
+                                __m256& w0, __m256& w1) {
+    __m128i q;
+    if constexpr (!NIBBLES) {
+        q = _mm_loadu_si128((const __m128i*)(row + 16 * third));
+    } else {
+        const __m128i low = _mm_set1_epi8(0x0F);
+        if (third < 2) {
+            q = _mm_loadu_si128((const __m128i*)row);
+            q = _mm_and_si128(third ? _mm_srli_epi16(q, 4) : q, low);
+        } else {
+            const __m128i b = _mm_loadl_epi64((const __m128i*)(row + 16));
+            q = _mm_unpacklo_epi64(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+        }
+    }
+    w0 = decode8(q, d[0], o[0]);
+    w1 = decode8(_mm_srli_si128(q, 8), d[1], o[1]);
+}
+
+template <int ROWS, bool NIBBLES>
+static void gemm_tile_blocks(const float* __restrict x, int64_t K, const uint8_t* __restrict q,
+                             const float* __restrict scale, const float* __restrict offset,
+                             float* __restrict out, int64_t ldo, int64_t cols, float* __restrict decoded) {
+    constexpr int64_t ROW_BYTES = NIBBLES ? PANEL / 2 : PANEL;
+    for (int64_t third = 0; third < 3 && 16 * third < cols; ++third) {
+        __m256 acc[ROWS][2];
+        for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < K / QBLOCK; ++b) {
+            const float* sb = scale + b * PANEL + 16 * third;
+            const float* ob = offset + b * PANEL + 16 * third;
+            const __m256 d[2] = {_mm256_loadu_ps(sb), _mm256_loadu_ps(sb + 8)};
+            const __m256 o[2] = {_mm256_loadu_ps(ob), _mm256_loadu_ps(ob + 8)};
+            for (int64_t k = b * QBLOCK; k < (b + 1) * QBLOCK; ++k) {
+                const uint8_t* row = q + k * ROW_BYTES;
+                if (third == 0) __builtin_prefetch(row + PREFETCH_Q_K * ROW_BYTES);
+                __m256 w0, w1;
+                decode_third<NIBBLES>(row, third, d, o, w0, w1);
+                if (decoded) {
+                    _mm256_storeu_ps(decoded + k * PANEL + 16 * third, w0);
+                    _mm256_storeu_ps(decoded + k * PANEL + 16 * third + 8, w1);
+                }
+                fma_rows<ROWS>(x, K, k, w0, w1, acc);
+            }
+        }
+        store_third<ROWS>(acc, out + 16 * third, ldo, cols - 16 * third);
+    }
+}
+#endif
 
 // The same product on the AMX tile unit, for steps of many rows. A tile multiply takes bf16 pairs and
 // sums their products in fp32; q (0..15 or |q| <= 127) is exact in bf16 and x is exactly the sum of

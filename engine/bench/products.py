@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model = load_model(args.model).model
     flats = {"packed": FlatForward(model, packed=True), "torch": FlatForward(model, packed=False)}
+    for linear in (linear for layer in flats["packed"].layers for linear in layer.linears):
+        linear.torch_from_rows = None          # the packed products at every row count, not the engine's choice
     lines = [SECTION, "",
              f"{date.today()}, commit {commit()}, {cpu_name()}, {args.threads} thread(s), {args.model}; "
              f"`python -m batchtop.engine.bench.products --threads {args.threads} --repeats {args.repeats}`. "

@@ -12,6 +12,7 @@ transformers' forward with the attention registered by name (runner.py).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -34,9 +35,11 @@ def supports(model) -> bool:
 
 
 class FusedLinear:
-    """Linears that read the same input, as one GEMM whose output holds theirs side by side."""
+    """Linears that read the same input, as one GEMM whose output holds theirs side by side: on the
+    packed weights, or torch's fp32 matmul (always unpacked; with packed weights, from
+    `torch_from_rows` rows, over the linears' own weights: no second copy)."""
 
-    def __init__(self, *linears: torch.nn.Linear, packed: bool):
+    def __init__(self, *linears: torch.nn.Linear, packed: bool, torch_from_rows: int | None = None):
         weight = torch.cat([linear.weight.detach() for linear in linears])
         self.out_features = weight.shape[0]
         biases = [linear.bias for linear in linears]
@@ -45,10 +48,15 @@ class FusedLinear:
              for b, linear in zip(biases, linears)])
         self.packed = cpu.pack_linear(weight) if packed else None
         self.weight = None if packed else weight
+        self.torch_from_rows = torch_from_rows if packed else None
+        self.linears = linears if self.torch_from_rows else ()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
+        if self.torch_from_rows and x.shape[0] >= self.torch_from_rows:
+            outs = [F.linear(x, linear.weight, linear.bias) for linear in self.linears]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         out = cpu.packed_linear(x, self.packed)
         return out if self.bias is None else out.add_(self.bias)
 
@@ -123,17 +131,18 @@ class FlatForward:
         ops = FusedCpuOps if fused else TransformersOps
         self.ops = ops(dims.num_heads, dims.num_kv_heads, dims.head_dim)
         packed = fused and (cpu.products_pay() if packed is None else packed)
+        torch_from_rows = cpu.torch_products_from_rows() if packed else None
+        linear = partial(FusedLinear, packed=packed, torch_from_rows=torch_from_rows)
         self.layers = [Layer(layer.input_layernorm,
-                             FusedLinear(layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                         layer.self_attn.v_proj, packed=packed),
+                             linear(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                              layer.self_attn.scaling,
-                             FusedLinear(layer.self_attn.o_proj, packed=packed),
+                             linear(layer.self_attn.o_proj),
                              layer.post_attention_layernorm,
-                             FusedLinear(layer.mlp.gate_proj, layer.mlp.up_proj, packed=packed),
+                             linear(layer.mlp.gate_proj, layer.mlp.up_proj),
                              layer.mlp.act_fn,
-                             FusedLinear(layer.mlp.down_proj, packed=packed))
+                             linear(layer.mlp.down_proj))
                        for layer in self.model.layers]
-        self.lm_head = FusedLinear(model.lm_head, packed=packed)
+        self.lm_head = linear(model.lm_head)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,

@@ -1,7 +1,7 @@
 """The runner's forward against transformers' own, on one ragged step of prefills then one of decodes.
 
 Three paths: forward.py with the fused C++ ops, its products on the packed weights (the default for
-Llama on a CPU with AVX-512) or torch's (the default with AVX2 alone), forward.py on transformers'
+Llama on a CPU with AVX-512 or AVX2; with AVX2, torch's from 128 rows) or torch's (elsewhere), forward.py on transformers'
 modules op by op (no C++ build), and transformers' forward with the
 paged attention registered by name (any other architecture; a Qwen2 with q/k/v biases here).
 """
@@ -89,7 +89,7 @@ def test_fused_forward_matches_transformers(tiny, monkeypatch, prompt_attention)
 
 @pytest.mark.skipif(cpu.unbuildable_reason() is not None, reason="the C++ kernels cannot be built here")
 def test_fused_ops_with_torch_products_match_transformers(tiny, monkeypatch):
-    """Where the packed products do not pay (AVX2 alone), the fused ops run around torch's products."""
+    """Where the packed products do not pay (no AVX2 or AVX-512), the fused ops run around torch's products."""
     fresh_forwards(monkeypatch)
     monkeypatch.setattr(cpu, "products_pay", lambda: False)
     runner = assert_matches_transformers(tiny)
@@ -98,13 +98,33 @@ def test_fused_ops_with_torch_products_match_transformers(tiny, monkeypatch):
     assert runner.flat_forward.lm_head.weight.shape == tiny.lm_head.weight.shape
 
 
-def test_the_forward_packs_its_weights_only_where_the_cpu_has_avx512(tiny):
-    """AVX2 alone: torch's matmul beat the packed products from 1 row to 256 (docs/kernels.md)."""
-    pays = cpu.available() and "avx512f" in cpu.cpu_features().split()
+def test_the_forward_packs_its_weights_where_the_cpu_has_avx512_or_avx2(tiny):
+    """Elsewhere the kernels' loops are the compiler's and torch's matmul runs the products."""
+    flags = set(cpu.cpu_features().split())
+    pays = cpu.available() and ("avx512f" in flags or {"avx2", "fma"} <= flags)
     assert cpu.products_pay() == pays
     flat = FlatForward(tiny)
     assert all((linear.packed is not None) == pays for layer in flat.layers for linear in layer.linears)
     assert (flat.lm_head.packed is not None) == pays
+    from_rows = (None if "avx512f" in flags else cpu.AVX2_TORCH_FROM_ROWS) if pays else None
+    assert all(linear.torch_from_rows == from_rows for layer in flat.layers for linear in layer.linears)
+
+
+@pytest.mark.skipif(cpu.unbuildable_reason() is not None, reason="the C++ kernels cannot be built here")
+def test_steps_of_many_rows_take_torchs_products_over_the_linears_own_weights(tiny, monkeypatch):
+    """From `torch_products_from_rows()` rows (here 5: the prompt step's 40 tokens, not the decode
+    step's 4 rows) the packed forward's products are torch's, over the model's weights, not a copy."""
+    fresh_forwards(monkeypatch)
+    monkeypatch.setattr(cpu, "products_pay", lambda: True)
+    monkeypatch.setattr(cpu, "torch_products_from_rows", lambda: 5)
+    packed_rows = []
+    packed_linear = cpu.packed_linear
+    monkeypatch.setattr(cpu, "packed_linear", lambda x, *a, **k: packed_rows.append(x.shape[0]) or
+                        packed_linear(x, *a, **k))
+    runner = assert_matches_transformers(tiny)
+    assert packed_rows and max(packed_rows) == len(PROMPTS), "the decode step's products were packed"
+    qkv = runner.flat_forward.layers[0].qkv
+    assert qkv.weight is None and qkv.linears[0].weight is tiny.model.layers[0].self_attn.q_proj.weight
 
 
 def test_forward_on_transformers_modules_matches_transformers(tiny, monkeypatch):
