@@ -44,7 +44,7 @@ BLOCK = 32                     # k per scale and offset of a block-packed weight
 # whole model's products, one process: 24 rows level with the FMA path, 20 rows 10% slower).
 AMX_MIN_ROWS = 24
 # With AVX2 alone, from this many rows torch's matmul runs the products (the whole model's, 2 threads:
-# packed 0.91x torch's time at 64 rows, 1.05x at 128, 1.26x at 256).
+# packed 0.79x torch's time at 64 rows, 1.05x at 128, 1.17x at 256; docs/kernels.md).
 AVX2_TORCH_FROM_ROWS = 128
 
 # an interrupted build's lock, untouched this long, is broken (a build takes ~1 min)
@@ -318,8 +318,8 @@ def products_pay() -> bool:
 
 def torch_products_from_rows() -> int | None:
     """From how many rows torch's matmul is the faster product where the weights are packed (None:
-    never). With AVX2 alone the packed products are level with torch's from about 96 rows and 1.26x its
-    time at 256 (docs/kernels.md): prompt steps of this many tokens or more go to torch."""
+    never). With AVX2 alone the packed products are level with torch's at about 128 rows and slower
+    from there (docs/kernels.md): steps of this many tokens or more take torch's."""
     return None if "avx512f" in cpu_features().split() else AVX2_TORCH_FROM_ROWS
 
 

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
              f"`python -m batchtop.engine.bench.products --threads {args.threads} --repeats {args.repeats}"
              f"{'' if args.rows == list(DOC_ROWS) else ' --rows ' + ' '.join(map(str, args.rows))}"
              f"{f' --engine-repeats {args.engine_repeats}' if args.engine_repeats else ''}`. "
-             f"`cpu.products_pay()` here: {cpu.products_pay()}.", "",
+             f"Vector unit: {vector_unit()}; `cpu.products_pay()` here: {cpu.products_pay()}.", "",
              "| rows | packed ms (median, range) | torch ms (median, range) | packed / torch |",
              "|---:|---:|---:|---:|"]
     with torch.inference_mode():
@@ -81,6 +81,13 @@ def main(argv=None) -> int:
     if args.engine_repeats:
         lines += ["", *engine_table(loaded, args.engine_repeats)]
     return publish(SECTION, "\n".join(lines) + "\n", write=args.write)
+
+
+def vector_unit() -> str:
+    flags = set(cpu.cpu_features().split())
+    if "avx512f" in flags:
+        return "AVX-512" + (" and AMX" if "amx_tile" in flags else "")
+    return "AVX2 and FMA, no AVX-512" if {"avx2", "fma"} <= flags else "no AVX2"
 
 
 def engine_traces() -> dict[str, tuple[list, list]]:
