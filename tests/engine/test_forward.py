@@ -1,7 +1,8 @@
 """The runner's forward against transformers' own, on one ragged step of prefills then one of decodes.
 
 Three paths: forward.py with the fused C++ ops, its products on the packed weights (the default for
-Llama on a CPU with AVX-512 or AVX2; with AVX2, torch's from 128 rows) or torch's (elsewhere), forward.py on transformers'
+Llama on a CPU with AVX-512 or AVX2; with AVX2, torch's from 128 rows) or torch's
+(elsewhere), forward.py on transformers'
 modules op by op (no C++ build), and transformers' forward with the
 paged attention registered by name (any other architecture; a Qwen2 with q/k/v biases here).
 """
@@ -89,7 +90,7 @@ def test_fused_forward_matches_transformers(tiny, monkeypatch, prompt_attention)
 
 @pytest.mark.skipif(cpu.unbuildable_reason() is not None, reason="the C++ kernels cannot be built here")
 def test_fused_ops_with_torch_products_match_transformers(tiny, monkeypatch):
-    """Where the packed products do not pay (no AVX2 or AVX-512), the fused ops run around torch's products."""
+    """Where the packed products do not pay (no AVX2, no AVX-512), the fused ops run around torch's."""
     fresh_forwards(monkeypatch)
     monkeypatch.setattr(cpu, "products_pay", lambda: False)
     runner = assert_matches_transformers(tiny)
