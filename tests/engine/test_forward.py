@@ -1,9 +1,8 @@
 """The runner's forward against transformers' own, on one ragged step of prefills then one of decodes.
 
 Three paths: forward.py with the fused C++ ops, its products on the packed weights (the default for
-Llama on a CPU with AVX-512 or AVX2; with AVX2, torch's from 128 rows) or torch's
-(elsewhere), forward.py on transformers'
-modules op by op (no C++ build), and transformers' forward with the
+Llama on a CPU with AVX-512 or AVX2; with AVX2, torch's from 128 rows) or torch's (elsewhere);
+forward.py on transformers' modules op by op (no C++ build); and transformers' forward with the
 paged attention registered by name (any other architecture; a Qwen2 with q/k/v biases here).
 """
 import weakref
