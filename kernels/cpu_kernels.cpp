@@ -148,14 +148,16 @@ constexpr int64_t PREFETCH_L2_K = 64, PREFETCH_L1_K = 8;     // how many k ahead
 constexpr int64_t LINE_FLOATS = 16;
 // Rows of a tile: its 3 x ROWS accumulators stay in registers (24 of AVX-512's 32). AVX2 has 16
 // registers of half the width: its tiles (below) run a third of the panel at a time, 4 rows x 16
-// columns in 8 registers.
-#ifdef __AVX512F__
-constexpr int64_t TILE_ROWS = 8;
-#else
-constexpr int64_t TILE_ROWS = 4;
-#endif
+// columns in 8 registers. Elsewhere the compiler's loop, 2 rows.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define BATCHTOP_AVX2_TILES 1
+#endif
+#if defined(__AVX512F__)
+constexpr int64_t TILE_ROWS = 8;
+#elif defined(BATCHTOP_AVX2_TILES)
+constexpr int64_t TILE_ROWS = 4;
+#else
+constexpr int64_t TILE_ROWS = 2;
 #endif
 
 template <int ROWS>
