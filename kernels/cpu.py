@@ -308,19 +308,26 @@ def packed_linear(x: torch.Tensor, packed: PackedLinear,
                                         packed.out_features, amx_min_rows or 0)
 
 
-def products_pay() -> bool:
-    """Whether the packed products beat torch's fp32 matmul on this CPU: with AVX-512 (tiles of 8 rows
-    x 48 columns in its 32 registers) or AVX2 with FMA (tiles of 4 rows x 16 columns in 8 of its 16;
-    docs/kernels.md). Elsewhere the kernels' loops are the compiler's, and the products stay torch's."""
+def vector_unit() -> str:
+    """The product tiles this CPU's build runs: "AVX-512" (8 rows x 48 columns in its 32 registers),
+    "AVX2" (with FMA, no AVX-512: 4 rows x 16 columns in 8 of its 16) or "" (the compiler's loop)."""
     flags = set(cpu_features().split())
-    return available() and ("avx512f" in flags or {"avx2", "fma"} <= flags)
+    if "avx512f" in flags:
+        return "AVX-512"
+    return "AVX2" if {"avx2", "fma"} <= flags else ""
+
+
+def products_pay() -> bool:
+    """Whether the packed products beat torch's fp32 matmul on this CPU: where its tiles are written for
+    the vector unit (docs/kernels.md). Elsewhere the products stay torch's."""
+    return available() and vector_unit() != ""
 
 
 def torch_products_from_rows() -> int | None:
     """From how many rows torch's matmul is the faster product where the weights are packed (None:
     never). With AVX2 alone the packed products are level with torch's at about 128 rows and slower
     from there (docs/kernels.md): steps of this many tokens or more take torch's."""
-    return None if "avx512f" in cpu_features().split() else AVX2_TORCH_FROM_ROWS
+    return None if vector_unit() == "AVX-512" else AVX2_TORCH_FROM_ROWS
 
 
 def amx_available() -> bool:

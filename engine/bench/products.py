@@ -84,10 +84,9 @@ def main(argv=None) -> int:
 
 
 def vector_unit() -> str:
-    flags = set(cpu.cpu_features().split())
-    if "avx512f" in flags:
-        return "AVX-512" + (" and AMX" if "amx_tile" in flags else "")
-    return "AVX2 and FMA, no AVX-512" if {"avx2", "fma"} <= flags else "no AVX2"
+    unit = cpu.vector_unit()
+    words = {"AVX-512": "AVX-512", "AVX2": "AVX2 and FMA, no AVX-512", "": "no AVX2"}[unit]
+    return words + (" and AMX" if unit == "AVX-512" and "amx_tile" in cpu.cpu_features().split() else "")
 
 
 def engine_traces() -> dict[str, tuple[list, list]]:
