@@ -16,7 +16,8 @@ from dataclasses import dataclass, fields
 # 3: prefix caching: cached tokens and the miss reason at admission, cached and evicted blocks, the
 #    pool's cached (evictable) blocks
 # 4: RequestArrived's since_arrival_s
-SCHEMA_VERSION = 4
+# 5: RequestArrived's input_s
+SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,12 +79,15 @@ class StepFinished(Event):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestArrived(Event):
     """Taken in by the engine between steps; the request arrived `since_arrival_s` before (a server
-    receives it while a step runs). Its TTFT and end-to-end time count from that arrival."""
+    receives it while a step runs). Its TTFT and end-to-end time count from that arrival. `input_s`
+    of that time went to the server's input path (from receiving the HTTP request to handing the
+    engine the parsed, tokenized request), the rest to waiting for the step boundary."""
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     priority: int
     since_arrival_s: float = 0.0
+    input_s: float = 0.0
 
     @property
     def arrival_t(self) -> float:

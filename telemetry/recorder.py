@@ -28,7 +28,7 @@ from .bus import EventBus, EventLog, Subscription
 from .events import SCHEMA_VERSION, Event, event_from_dict
 
 HEADER_KIND = "Header"
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3, SCHEMA_VERSION})
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4, SCHEMA_VERSION})
 
 # Version 1 lacked: StepPlanned's recompute split (its prefill counted recompute), PrefillChunk's
 # recompute flag, RequestAdmitted's / RequestRetired's wait split, RequestRetired's num_blocks and
@@ -54,6 +54,8 @@ _V2_DEFAULTS = {
 
 # Version 3 took a request's arrival to be the event that took it in.
 _V3_DEFAULTS = {"RequestArrived": {"since_arrival_s": 0.0}}
+# Version 4 stamped a server's request when it was handed to the engine: no input path before it.
+_V4_DEFAULTS = {"RequestArrived": {"input_s": 0.0}}
 
 
 def upgrade_v1(data: dict) -> dict:
@@ -69,8 +71,14 @@ def upgrade_v2(data: dict) -> dict:
 
 
 def upgrade_v3(data: dict) -> dict:
-    """A version-3 event dict in the current schema."""
+    """A version-3 event dict in the version-4 schema."""
     defaults = _V3_DEFAULTS.get(data.get("kind"))
+    return {**defaults, **data} if defaults else data
+
+
+def upgrade_v4(data: dict) -> dict:
+    """A version-4 event dict in the current schema."""
+    defaults = _V4_DEFAULTS.get(data.get("kind"))
     return {**defaults, **data} if defaults else data
 
 
@@ -104,6 +112,8 @@ def event_of(data: dict, schema_version: int = SCHEMA_VERSION) -> Event:
         data = upgrade_v2(data)
     if schema_version <= 3:
         data = upgrade_v3(data)
+    if schema_version <= 4:
+        data = upgrade_v4(data)
     return event_from_dict(data)
 
 

@@ -35,7 +35,8 @@ from batchtop.engine.model.loading import load_model
 # Fields whose values are wall time: `t` (every event's monotonic time), the other `*_s` fields:
 # StepFinished's phase timings (schedule_s, prepare_s, forward_s, sample_s, update_s), FirstToken's
 # ttft_s, RequestAdmitted's and RequestRetired's wait_s (seconds per wait reason; the reasons stay),
-# RequestAdmitted's evicted_ago_s, AdmissionBlocked's wait_more_s and RequestArrived's since_arrival_s.
+# RequestAdmitted's evicted_ago_s, AdmissionBlocked's wait_more_s, RequestArrived's since_arrival_s and
+# input_s.
 # Everything else stays.
 WALL = "t"
 

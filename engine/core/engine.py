@@ -146,9 +146,11 @@ class Engine:
 
     def make_request(self, prompt: str | list[int] | list[dict], sampling: SamplingParams | None = None, *,
                      chat: bool = False, priority: int = 0, request_id: str | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, received_time: float | None = None) -> Request:
         """Tokenize and validate without touching the queues (safe from any thread). `arrival_time`
-        (time.monotonic()): when the request arrived, if before now; its TTFT counts from then."""
+        (time.monotonic()): when the request arrived, if before now; its TTFT counts from then.
+        `received_time`: when a server received it, its arrival too, and the time from then to now (the
+        server's input path: parsing, tokenizing, validating) its `input_s`."""
         sampling = sampling or SamplingParams()
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
             if not prompt:
@@ -170,8 +172,11 @@ class Engine:
                              f"{needed} exceeds the whole KV pool of {capacity} tokens")
         now = time.monotonic()
         arrived = now if arrival_time is None else min(arrival_time, now)
+        if received_time is not None:
+            arrived = min(received_time, now)
         return Request(request_id or f"r{next(self._ids)}", token_ids, sampling, arrived,
-                       priority=priority, arrival_seq=next(self._arrivals))
+                       priority=priority, arrival_seq=next(self._arrivals),
+                       input_s=now - arrived if received_time is not None else 0.0)
 
     def enqueue(self, request: Request) -> None:
         """Hand a validated request to the scheduler (engine thread only, between steps)."""
@@ -182,7 +187,8 @@ class Engine:
         self._emit(ev.RequestArrived, request_id=request.request_id,
                    num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.sampling.max_tokens,
                    priority=request.priority,
-                   since_arrival_s=max(0.0, time.monotonic() - request.arrival_time))
+                   since_arrival_s=max(0.0, time.monotonic() - request.arrival_time),
+                   input_s=request.input_s)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (a long-running engine calls this once its result is read)."""

@@ -196,10 +196,11 @@ class EngineLoop:
 
     def add_request(self, prompt, sampling: SamplingParams | None = None, *,
                     on_output: OutputCallback | None = None, chat: bool = False, priority: int = 0,
-                    request_id: str | None = None) -> str:
-        """Validate now (ValueError on bad input), queue for the next step; outputs go to `on_output`."""
+                    request_id: str | None = None, received_time: float | None = None) -> str:
+        """Validate now (ValueError on bad input), queue for the next step; outputs go to `on_output`.
+        `received_time` (time.monotonic()): when a server received the request, its arrival."""
         request = self.engine.make_request(prompt, sampling, chat=chat, priority=priority,
-                                           request_id=request_id)
+                                           request_id=request_id, received_time=received_time)
 
         def enqueue():
             self._adds_applied += 1

@@ -21,6 +21,7 @@ from batchtop.telemetry.protocol.errors import ApiError, error_body
 from batchtop.telemetry.protocol.limits import MAX_BODY_BYTES
 from batchtop.telemetry.protocol.routes import lifespan, mount
 
+from .completions import ReceiptStamp
 from .host import BatchtopServer
 from .openai_api import ChatCompletionRequest, CompletionRequest
 from .prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -40,6 +41,7 @@ def build_app(server: BatchtopServer) -> FastAPI:
                   description="OpenAI-compatible serving, telemetry events and live control of a batchtop "
                               "engine")
     mount(app, server, server.rules, ERROR_RESPONSES)
+    app.add_middleware(ReceiptStamp)        # the outermost: a completion's arrival is its receipt
     _add_error_handlers(app)
     completions = server.completions
 

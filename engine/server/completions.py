@@ -26,6 +26,22 @@ from .outputs import OutputRouter, _Pending
 
 GREEDY_BELOW = 1e-5
 MIN_TOP_P = 1e-6          # the sampler compares in float32: 5e-324 would become 0 and drop every token
+RECEIVED = "batchtop.received_time"     # the ASGI scope's key for ReceiptStamp's stamp
+
+
+class ReceiptStamp:
+    """Pure ASGI middleware, the outermost: stamps when a request reached the server (time.monotonic()),
+    before its body is read, checked, parsed and tokenized. That is a completion's arrival, the time its
+    TTFT counts from (as vLLM's API server stamps it); what follows until the engine has it is recorded
+    as the request's input path (RequestArrived.input_s)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope[RECEIVED] = time.monotonic()
+        await self.app(scope, receive, send)
 
 
 class Completions:
@@ -92,7 +108,8 @@ class Completions:
             raise ApiError(400, f"cannot tokenize the {'messages' if chat else 'prompt'}: {error}",
                            param="messages" if chat else "prompt") from None
 
-    def _submit(self, body, chat: bool) -> tuple[list[_Pending], list[TextStream], list[int], asyncio.Event]:
+    def _submit(self, body, chat: bool, received_time: float | None = None
+                ) -> tuple[list[_Pending], list[TextStream], list[int], asyncio.Event]:
         self.check_model(body.model)
         self.check_engine()
         stops = stop_strings(body.stop)
@@ -109,7 +126,7 @@ class Completions:
                 pending = self.router.open(request_id, wake)
                 try:
                     self.loop.add_request(ids, self._sampling(body, max_tokens), on_output=self.router.push,
-                                          request_id=request_id)
+                                          request_id=request_id, received_time=received_time)
                 except QueueFull as full:
                     self.router.close(request_id)
                     raise ApiError(503, str(full), type="server_error", code="engine_busy",
@@ -143,7 +160,7 @@ class Completions:
             self.loop.abort(p.request_id)           # the rest would be thrown away: free the row now
 
     async def generate(self, body, request: Request, chat: bool):
-        pendings, texts, prompt_lens, wake = self._submit(body, chat)
+        pendings, texts, prompt_lens, wake = self._submit(body, chat, request.scope.get(RECEIVED))
         if body.stream:
             return StreamingResponse(self._stream(body, chat, pendings, texts, prompt_lens, wake),
                                      media_type="text/event-stream", headers=SSE_HEADERS)

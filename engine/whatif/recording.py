@@ -28,6 +28,12 @@ class TraceRequest:
     num_output_tokens: int             # the output it ended with (max_tokens when it never retired)
     reason: str                        # stop | length | abort | error | unfinished
     abort_after_s: float | None        # abort / error: seconds after arrival
+    input_s: float = 0.0               # a server's input path: from arrival until the engine could have it
+
+    @property
+    def entry_s(self) -> float:
+        """When the engine could first take it in: its arrival plus the server's input path."""
+        return self.arrival_s + self.input_s
 
     @property
     def stops(self) -> bool:
@@ -136,12 +142,12 @@ def _trace(path: str, events: list[ev.Event], t0: float) -> list[TraceRequest]:
         r = retired.get(request_id)
         if r is None:
             requests.append(TraceRequest(request_id, a.arrival_t - t0, a.num_prompt_tokens, a.max_tokens,
-                                         a.priority, a.max_tokens, "unfinished", None))
+                                         a.priority, a.max_tokens, "unfinished", None, a.input_s))
             continue
         aborted = r.reason in QUEUE_EXITS
         requests.append(TraceRequest(request_id, a.arrival_t - t0, a.num_prompt_tokens, a.max_tokens,
                                      a.priority, a.max_tokens if aborted else max(1, r.num_output_tokens),
-                                     r.reason, r.t - a.arrival_t if aborted else None))
+                                     r.reason, r.t - a.arrival_t if aborted else None, a.input_s))
     return requests
 
 

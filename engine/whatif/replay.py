@@ -4,7 +4,8 @@ Identity follows the recording's own order: its arrivals, aborts, knob changes a
 where they happened between steps, and each step takes the recorded step's times, so the same
 scheduler must plan the same step; `signatures` compares the two runs step by step. A what-if runs
 on the virtual clock alone: requests arrive at their recorded times and, as in the engine's loop, are
-taken in (and their TTFT counted from) the first step boundary after that; aborts come the recorded
+taken in at the first step boundary after the engine could have them (their recorded input path later:
+a server's parsing and tokenizing) with their TTFT counted from the arrival; aborts come the recorded
 time after arrival, the recording's knob changes apply at their times (but for the knobs held
 fixed); every step lasts what the step-time model predicts, and the gap before it what the gap law
 gives for the arrivals taken in and the requests the step before retired.
@@ -24,7 +25,7 @@ from .steptime import GapSample, StepTimeModel, fit_model
 from .virtual import PhaseTimes, StepShape, VirtualEngine
 
 LOOP_POLL_S = 0.002         # the engine loop's wait while a dynamic batch forms
-# A request is taken in at the first step boundary at or after its arrival; the identity replay's
+# A request is taken in at the first step boundary at or after its entry; the identity replay's
 # boundary, a rounding error before the recorded take-in, still takes it in.
 ARRIVAL_TOLERANCE_S = 1e-9
 MAX_IDLE_POLLS = 1_000_000
@@ -170,14 +171,14 @@ def run_whatif(rec: Recording, knobs: dict, model, held: frozenset[str] = frozen
     own changes of the knobs in `held` are left out."""
     events: list[ev.Event] = []
     engine = VirtualEngine(rec.setup, knobs, events.append, snapshot_interval_steps)
-    arrivals = sorted(rec.requests, key=lambda r: r.arrival_s)
+    arrivals = sorted(rec.requests, key=lambda r: r.entry_s)
     aborts: list[tuple[float, str, str]] = []
     changes = [(t, name, new) for t, name, new in rec.knob_changes if name not in held]
     a = c = idle_polls = 0
     num_arrived = num_retired = 0          # since the last step
     now = 0.0
     while True:
-        while a < len(arrivals) and arrivals[a].arrival_s <= now + ARRIVAL_TOLERANCE_S:
+        while a < len(arrivals) and arrivals[a].entry_s <= now + ARRIVAL_TOLERANCE_S:
             item = arrivals[a]
             engine.add(item, now)
             num_arrived += 1
@@ -197,7 +198,7 @@ def run_whatif(rec: Recording, knobs: dict, model, held: frozenset[str] = frozen
             num_arrived, num_retired = 0, engine.num_retired_last
             idle_polls = 0
             continue
-        upcoming = [arrivals[a].arrival_s] if a < len(arrivals) else []
+        upcoming = [arrivals[a].entry_s] if a < len(arrivals) else []
         upcoming += [aborts[0][0]] if aborts else []
         upcoming += [changes[c][0]] if c < len(changes) else []
         if engine.has_work():

@@ -95,7 +95,8 @@ class VirtualEngine:
     # -- between steps --------------------------------------------------------------------
 
     def add(self, item: TraceRequest, now: float) -> None:
-        """Take in a request that arrived at `item.arrival_s` (at or before `now`, a step boundary)."""
+        """Take in a request that arrived at `item.arrival_s` and could enter at `item.entry_s` (at or
+        before `now`, a step boundary)."""
         self.now = now
         request = Request(item.request_id, [PROMPT_TOKEN] * item.num_prompt_tokens,
                           SamplingParams(max_tokens=item.max_tokens), min(now, item.arrival_s),
@@ -106,7 +107,7 @@ class VirtualEngine:
         self.scheduler.add(request)
         self._emit(ev.RequestArrived, request_id=item.request_id, num_prompt_tokens=item.num_prompt_tokens,
                    max_tokens=item.max_tokens, priority=item.priority,
-                   since_arrival_s=now - request.arrival_time)
+                   since_arrival_s=now - request.arrival_time, input_s=item.input_s)
 
     def abort(self, request_id: str, now: float, reason: str = "abort") -> bool:
         request = self.requests.get(request_id)

@@ -60,4 +60,4 @@ def test_only_wall_time_is_dropped():
               if isinstance(kind, type) and issubclass(kind, ev.Event) for f in dataclasses.fields(kind)}
     assert {name for name in fields if traces.is_wall(name)} == {
         "t", "schedule_s", "prepare_s", "forward_s", "sample_s", "update_s", "ttft_s", "wait_s",
-        "evicted_ago_s", "wait_more_s", "since_arrival_s"}
+        "evicted_ago_s", "wait_more_s", "since_arrival_s", "input_s"}

@@ -4,6 +4,7 @@ recording's trace, its identity replay, a what-if and `diff` all count from the 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -70,3 +71,24 @@ def test_the_replays_take_it_in_at_a_boundary_and_count_its_ttft_from_the_arriva
     assert arrived.arrival_t == pytest.approx(late.arrival_s) and arrived.t >= late.arrival_s
     assert arrived.since_arrival_s < step_s + 1e-9         # taken in at the first boundary after it
     assert first.ttft_s == pytest.approx(first.t - late.arrival_s)
+
+
+def test_a_what_if_takes_a_request_in_after_its_recorded_input_path(recording):
+    """A server's request reaches the engine its input path (RequestArrived.input_s) after its arrival: a
+    what-if takes it in no earlier than that, and still counts its TTFT from the arrival."""
+    input_s, step_s = 0.25, 0.01
+    late = next(e for e in recording.events if isinstance(e, ev.RequestArrived) and e.request_id == "late")
+    served = [replace(e, input_s=input_s) if e is late else e for e in recording.events]
+    again = recording_from(recording.header, [decode_event(encode_event(e)) for e in served])
+    [item] = [r for r in again.requests if r.request_id == "late"]
+    assert item.input_s == input_s and item.entry_s == pytest.approx(item.arrival_s + input_s)
+    _, events = run_whatif(again, {}, constant_steps(step_s))
+    arrived, first = _of(events, ev.RequestArrived, "late"), _of(events, ev.FirstToken, "late")
+    assert item.entry_s <= arrived.t < item.entry_s + step_s + 1e-9       # the first boundary after its entry
+    assert arrived.input_s == input_s and arrived.arrival_t == pytest.approx(item.arrival_s)
+    assert first.ttft_s == pytest.approx(first.t - item.arrival_s) and first.ttft_s > input_s
+    _, without = run_whatif(recording, {}, constant_steps(step_s))
+    assert _of(without, ev.RequestArrived, "late").t < item.entry_s - step_s    # the input path made the wait
+    # a version-4 log (no input_s) reads as a request handed to the engine on arrival
+    old = encode_event(arrived).replace(f',"input_s":{input_s!r}', "")
+    assert "input_s" not in old and decode_event(old, schema_version=4).input_s == 0.0
