@@ -46,12 +46,14 @@ from .whatif_check import (
 )
 from .whatif_vllm import (
     check_args,
+    http_path_words,
     load_words,
     rendered_args,
     run_launched,
     run_rounds,
     server_table,
     trace_requests,
+    with_http_path,
 )
 
 SECTION = "## Predicted against measured: batchtop serve"
@@ -158,7 +160,8 @@ def report(args, saved: dict) -> str:
              "whatif REC --set max_num_seqs=...` does), then each point launched and run once for real "
              "(the points in alternating order from round to round). Measured TTFT, ITL and throughput "
              "are the client's, preemptions the server's events. The recordings:", "",
-             *recordings_table(rounds), "", *comparison_table(results), "", *server_table(results)]
+             *recordings_table(rounds), "", http_path_words(rounds), "",
+             *comparison_table(with_http_path(results, rounds)), "", *server_table(results)]
     speed = [s for p in results for s in p["compute_s"]]
     wall = [r["wall_s"] for r in rounds]
     lines += ["", f"What-if compute time per point: {min(speed):.2f}-{max(speed):.2f} s for {args.requests} "

@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from batchtop.engine.bench import whatif_sensitivity, whatif_serve
-from batchtop.engine.bench.whatif_check import make_trace
+from batchtop.engine.bench.whatif_check import format_value, make_trace
 from batchtop.engine.whatif.grid import prepare
 from batchtop.engine.whatif.recording import read_recording
 from batchtop.engine.whatif.replay import replay_identity
@@ -41,12 +41,15 @@ def test_a_small_check_on_batchtop_serve_records_predicts_and_measures(tmp_path,
     [round1] = saved["rounds"]
     assert round1["matching"] == round1["identity_steps"] == round1["steps"] > 0   # step for step
     assert round1["client"]["completed"] == NUM_REQUESTS and round1["client"]["failed"] == 0
+    # the client sends before the server's receipt and reads after the engine's token: a positive path
+    assert 0 < round1["http_path_s"] < 1.0
 
     [point] = saved["points"]
     [measured], [predicted] = point["measured"], point["predicted"]
     assert point["knobs"] == {"max_num_batched_tokens": 32}
     assert measured["completed"] == NUM_REQUESTS and measured["failed"] == 0
     assert predicted["output_tok_s"] > 0 and measured["output_tok_s"] > 0
+    assert 0 < measured["http_path_s"] < 1.0
     # the real run ran at the point's knobs: the server's own recording says so, and so do its steps
     real = read_recording(str(tmp_path / "round1-max_num_batched_tokens=32.jsonl"))
     assert real.setup.knobs["max_num_batched_tokens"] == 32 and real.setup.knobs["max_num_seqs"] == 2
@@ -58,6 +61,11 @@ def test_a_small_check_on_batchtop_serve_records_predicts_and_measures(tmp_path,
     section = capsys.readouterr().out
     assert "\n" + whatif_serve.SECTION + "\n" in section
     assert "| max_num_batched_tokens=32 | output tok/s |" in section
+    assert "the engine's plus the HTTP path the recorded run measured" in section
+    row = "| max_num_batched_tokens=32 | TTFT p50 | {} |"
+    client_ttft = predicted["ttft_p50_s"] + round1["http_path_s"]       # the table's prediction of the client
+    assert row.format(format_value(client_ttft, "ttft_p50_s")) in section
+    assert row.format(format_value(predicted["ttft_p50_s"], "ttft_p50_s")) in section   # the engine's alone
 
     # re-priced at scaled step times: 1x is the check's own prediction, a slower step a longer run
     result = whatif_sensitivity.analyse(saved, (1.0, 1.5), seeds=1)
@@ -77,3 +85,17 @@ def test_a_small_check_on_batchtop_serve_records_predicts_and_measures(tmp_path,
                                       result)
     assert table.startswith("## Sensitivity to step time: batchtop serve\n")
     assert "| max_num_batched_tokens=32 | preemptions | 0 (0-0) |" in table
+
+
+def test_the_http_path_is_added_only_where_every_round_measured_one():
+    from batchtop.engine.bench.whatif_vllm import with_http_path
+    points = [{"knobs": {"max_num_seqs": 8}, "measured": [],
+               "predicted": [{"ttft_p50_s": 0.02, "ttft_p99_s": 0.1, "itl_p50_s": 0.008, "e2e_p50_s": None},
+                             {"ttft_p50_s": 0.03, "ttft_p99_s": 0.2, "itl_p50_s": 0.009, "e2e_p50_s": 0.5}]}]
+    [shifted] = with_http_path(points, [{"http_path_s": 0.005}, {"http_path_s": 0.007}])
+    assert [p["ttft_p50_s"] for p in shifted["predicted"]] == pytest.approx([0.025, 0.037])
+    assert [p["ttft_p99_s"] for p in shifted["predicted"]] == pytest.approx([0.105, 0.207])
+    assert [p["itl_p50_s"] for p in shifted["predicted"]] == [0.008, 0.009]        # a token gap: no path
+    assert [p["e2e_p50_s"] for p in shifted["predicted"]] == [None, pytest.approx(0.507)]
+    assert with_http_path(points, [{"http_path_s": 0.005}, {"http_path_s": None}]) == points
+    assert points[0]["predicted"][0]["ttft_p50_s"] == 0.02                         # the input untouched
