@@ -32,12 +32,23 @@ def publish(section: str, text: str, *, write: bool, doc: Path = DOCS) -> int:
 
 
 def cpu_name() -> str:
+    """The CPU's model name and its vector unit ("AMD EPYC (AVX2 and FMA, no AVX-512)"): one model name
+    covers hosts with and without AVX-512, and the engine's products differ between them."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":",
-                               1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+        name = next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                    if line.startswith("Model name"))
     except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+        name = platform.processor() or platform.machine()
+    return f"{name} ({vector_unit()})"
+
+
+def vector_unit() -> str:
+    """The vector unit the kernels' product tiles are written for, in words (kernels/cpu.py)."""
+    from batchtop.kernels import cpu  # it imports torch: only when a figure is written
+    unit = cpu.vector_unit()
+    words = {"AVX-512": "AVX-512", "AVX2": "AVX2 and FMA, no AVX-512", "": "no AVX2"}[unit]
+    return words + (" and AMX" if unit == "AVX-512" and "amx_tile" in cpu.cpu_features().split() else "")
 
 
 def span(values, unit: str = "s") -> str:

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
              f"`python -m batchtop.engine.bench.products --threads {args.threads} --repeats {args.repeats}"
              f"{'' if args.rows == list(DOC_ROWS) else ' --rows ' + ' '.join(map(str, args.rows))}"
              f"{f' --engine-repeats {args.engine_repeats}' if args.engine_repeats else ''}`. "
-             f"Vector unit: {vector_unit()}; `cpu.products_pay()` here: {cpu.products_pay()}.", "",
+             f"`cpu.products_pay()` here: {cpu.products_pay()}.", "",
              "| rows | packed ms (median, range) | torch ms (median, range) | packed / torch |",
              "|---:|---:|---:|---:|"]
     with torch.inference_mode():
@@ -81,12 +81,6 @@ def main(argv=None) -> int:
     if args.engine_repeats:
         lines += ["", *engine_table(loaded, args.engine_repeats)]
     return publish(SECTION, "\n".join(lines) + "\n", write=args.write)
-
-
-def vector_unit() -> str:
-    unit = cpu.vector_unit()
-    words = {"AVX-512": "AVX-512", "AVX2": "AVX2 and FMA, no AVX-512", "": "no AVX2"}[unit]
-    return words + (" and AMX" if unit == "AVX-512" and "amx_tile" in cpu.cpu_features().split() else "")
 
 
 def engine_traces() -> dict[str, tuple[list, list]]:
