@@ -17,24 +17,17 @@ import argparse
 import os
 import platform
 import signal
-import socket
 import statistics
 import sys
 import time
 
 from batchtop.engine.bench import serving as bs
 from batchtop.engine.core.config import EngineConfig
-from batchtop.engine.vllm.launch import LaunchedServer
+from batchtop.engine.vllm.launch import LaunchedServer, free_port
 
 from .figures import commit, cpu_name, publish
 
 SECTION = "## Server overhead and sweep"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(model: str, port: int, max_num_seqs: int) -> list[str]:

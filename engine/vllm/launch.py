@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -29,6 +30,13 @@ import httpx
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SCHEDULER_CLS = "batchtop.engine.vllm.scheduler.BatchtopScheduler"
 ASYNC_SCHEDULER_CLS = "batchtop.engine.vllm.scheduler.BatchtopAsyncScheduler"
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (the OS's pick), for a server about to be launched."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def vllm_python() -> Path:

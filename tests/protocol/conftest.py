@@ -4,7 +4,6 @@ tiny model, and batchtop's side endpoint inside vLLM's real `Scheduler` (guest_h
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ from pathlib import Path
 import pytest
 from protocol_helpers import ALLOWED_HOST, ALLOWED_ORIGIN, API_KEY, MAX_BODY_BYTES, START_TIMEOUT_S, Host
 
+from batchtop.engine.vllm.launch import free_port
+
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import pytest
 
 from batchtop.engine.bench import whatif_sensitivity, whatif_serve
 from batchtop.engine.bench.whatif_check import format_value, make_trace
+from batchtop.engine.vllm.launch import free_port
 from batchtop.engine.whatif.grid import prepare
 from batchtop.engine.whatif.recording import read_recording
 from batchtop.engine.whatif.replay import replay_identity
@@ -19,14 +20,8 @@ from batchtop.engine.whatif.replay import replay_identity
 NUM_REQUESTS = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_small_check_on_batchtop_serve_records_predicts_and_measures(tmp_path, capsys):
-    port = _free_port()
+    port = free_port()
     argv = [*f"--model tiny --port {port} --requests {NUM_REQUESTS} --rate 40 --recorded 2".split(),
             "--values", "", "--budget", "32", "--repeats", "1", "--out", str(tmp_path),
             "--json", str(tmp_path / "points.json")]

@@ -14,13 +14,13 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import socket
 import sys
 import threading
 import time
 from collections import deque
 
 from batchtop.engine.bench.figures import commit, cpu_name, publish
+from batchtop.engine.vllm.launch import free_port
 from batchtop.telemetry.events import StepPlanned
 from batchtop.telemetry.run_stats import percentile
 
@@ -28,12 +28,6 @@ from .screen import DRAW_GAP_S
 
 SECTION = "## Fleet screen"
 SIZE = (160, 40)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_engines(n: int, folder: str):
