@@ -28,7 +28,6 @@ from pathlib import Path
 
 from batchtop.engine.vllm.launch import LaunchedServer
 from batchtop.engine.whatif.grid import predict
-from batchtop.engine.whatif.recording import read_recording
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
 from batchtop.telemetry.recorder import make_header
 
@@ -50,6 +49,8 @@ from .whatif_vllm import (
     http_path_words,
     load_words,
     rendered_args,
+    repredict,
+    repredicted_words,
     run_launched,
     run_rounds,
     server_table,
@@ -98,17 +99,6 @@ def predict_points(rec, points: list[dict]) -> tuple[dict, list[tuple[dict, floa
     return round_summary(rec, identity, model), rows
 
 
-def repredict(saved: dict) -> None:
-    """Every point predicted again from each round's recording, as `predict_points` does now."""
-    changed = [point["knobs"] for point in saved["points"]]
-    for r, rnd in enumerate(saved["rounds"]):
-        summary, rows = predict_points(read_recording(rnd["path"]), changed)
-        rnd.update(summary)
-        for point, (row, seconds) in zip(saved["points"], rows):
-            point["predicted"][r], point["compute_s"][r] = row, seconds
-    saved["predicted_at"] = commit()
-
-
 def make_parser():
     parser = check_parser(__doc__.splitlines()[0], rate=16.0)
     parser.add_argument("--model", default="smollm2", help="the model batchtop serve loads")
@@ -130,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads(Path(args.render).read_text())
         args = rendered_args(args, saved, section)
         if args.repredict:
-            repredict(saved)
-            if args.json:
-                Path(args.json).write_text(json.dumps(saved, default=str))
+            changed = [point["knobs"] for point in saved["points"]]
+            repredict(saved, lambda rec: predict_points(rec, changed), args.json)
         return publish(section(args), report(args, saved), write=args.write, doc=DOC)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,10 +168,7 @@ def report(args, saved: dict) -> str:
              "whatif REC --set max_num_seqs=...` does), then each point launched and run once for real "
              "(the points in alternating order from round to round). Measured TTFT, ITL and throughput "
              "are the client's, preemptions the server's events.", "",
-             *([f"The real runs are those of commit {saved['commit']}; every prediction was made again "
-                f"from the same recordings at commit {saved['predicted_at']} (`--render JSON "
-                "--repredict`).", ""] if saved.get("predicted_at") else []),
-             "The recordings:", "",
+             *repredicted_words(saved), "The recordings:", "",
              *recordings_table(rounds), "", http_path_words(rounds), "",
              *comparison_table(with_http_path(results, rounds)), "", *server_table(results)]
     speed = [s for p in results for s in p["compute_s"]]

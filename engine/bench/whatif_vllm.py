@@ -299,17 +299,26 @@ def predict_points(rec, values: list[int], budget: int) -> tuple[dict, list[tupl
     return summary, [(run.row(), run.seconds) for run in runs]
 
 
-def repredict(saved: dict) -> None:
-    """Every point predicted again from each round's recording, as `predict_round` does now."""
-    points = saved["points"]
-    values = [p["knobs"]["max_num_seqs"] for p in points[:-1]]
+def repredict(saved: dict, predict: Callable, json_path: str | None = None) -> None:
+    """Every point predicted again from each round's recording by `predict(recording)` (the round's
+    summary, every point's row and seconds, as `run_rounds` takes it): the code as it is now, the real
+    runs as measured. Rewrites `json_path` where given."""
     for r, rnd in enumerate(saved["rounds"]):
-        result, predicted = predict_round(read_recording(rnd["path"]), values,
-                                          points[-1]["knobs"]["max_num_batched_tokens"])
-        rnd.update(round_summary(result.recording, result.identity, result.model))
-        for point, run in zip(points, predicted):
-            point["predicted"][r], point["compute_s"][r] = run.row(), run.seconds
+        summary, rows = predict(read_recording(rnd["path"]))
+        rnd.update(summary)
+        for point, (row, seconds) in zip(saved["points"], rows):
+            point["predicted"][r], point["compute_s"][r] = row, seconds
     saved["predicted_at"] = commit()
+    if json_path:
+        Path(json_path).write_text(json.dumps(saved, default=str))
+
+
+def repredicted_words(saved: dict) -> list[str]:
+    """The report's line saying the predictions are younger than the real runs (none where they are not)."""
+    if not saved.get("predicted_at"):
+        return []
+    return [f"The real runs are those of commit {saved['commit']}; every prediction was made again from the "
+            f"same recordings at commit {saved['predicted_at']} (`--render JSON --repredict`).", ""]
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -337,9 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads(Path(args.render).read_text())
         args = rendered_args(args, saved, section)
         if args.repredict:
-            repredict(saved)
-            if args.json:
-                Path(args.json).write_text(json.dumps(saved, default=str))
+            points = saved["points"]
+            values = [p["knobs"]["max_num_seqs"] for p in points[:-1]]
+            budget = points[-1]["knobs"]["max_num_batched_tokens"]
+            repredict(saved, lambda rec: predict_points(rec, values, budget), args.json)
         return publish(section(args), report(args, saved), write=args.write, doc=DOC)
     from batchtop.engine.model.loading import smollm2_folder
     model = str(smollm2_folder(print))
@@ -444,12 +454,9 @@ def report(args, saved: dict) -> str:
                   f"{runs_s / saved['seconds']:.0%} of it, so {args.repeats} rounds of 300 would have taken "
                   f"about {at_300 / 3600:.1f} h; fewer requests kept the rounds (the runs' spread) instead.",
                   ""]
-    if saved.get("predicted_at"):
-        lines += [f"The real runs are those of commit {saved['commit']}; every prediction was made again "
-                  f"from the same recordings at commit {saved['predicted_at']} (`--render JSON "
-                  "--repredict`).", ""]
-    lines += ["The recordings:", "", *recordings_table(rounds), "", http_path_words(rounds), "",
-             *comparison_table(with_http_path(results, rounds)), "", *server_table(results)]
+    lines += [*repredicted_words(saved), "The recordings:", "", *recordings_table(rounds), "",
+              http_path_words(rounds), "", *comparison_table(with_http_path(results, rounds)), "",
+              *server_table(results)]
     speed = [s for p in results for s in p["compute_s"]]
     wall = [r["wall_s"] for r in rounds]
     if speed:
