@@ -171,9 +171,8 @@ class Engine:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
                              f"{needed} exceeds the whole KV pool of {capacity} tokens")
         now = time.monotonic()
-        arrived = now if arrival_time is None else min(arrival_time, now)
-        if received_time is not None:
-            arrived = min(received_time, now)
+        given = received_time if received_time is not None else arrival_time
+        arrived = now if given is None else min(given, now)
         return Request(request_id or f"r{next(self._ids)}", token_ids, sampling, arrived,
                        priority=priority, arrival_seq=next(self._arrivals),
                        input_s=now - arrived if received_time is not None else 0.0)
