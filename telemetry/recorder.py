@@ -58,27 +58,13 @@ _V3_DEFAULTS = {"RequestArrived": {"since_arrival_s": 0.0}}
 _V4_DEFAULTS = {"RequestArrived": {"input_s": 0.0}}
 
 
-def upgrade_v1(data: dict) -> dict:
-    """A version-1 event dict in the version-2 schema."""
-    defaults = _V1_DEFAULTS.get(data.get("kind"))
-    return {**defaults, **data} if defaults else data
+# What each version lacked, by version: an older event gets each later version's defaults in turn.
+_LACKED = {1: _V1_DEFAULTS, 2: _V2_DEFAULTS, 3: _V3_DEFAULTS, 4: _V4_DEFAULTS}
 
 
-def upgrade_v2(data: dict) -> dict:
-    """A version-2 event dict in the version-3 schema."""
-    defaults = _V2_DEFAULTS.get(data.get("kind"))
-    return {**defaults, **data} if defaults else data
-
-
-def upgrade_v3(data: dict) -> dict:
-    """A version-3 event dict in the version-4 schema."""
-    defaults = _V3_DEFAULTS.get(data.get("kind"))
-    return {**defaults, **data} if defaults else data
-
-
-def upgrade_v4(data: dict) -> dict:
-    """A version-4 event dict in the current schema."""
-    defaults = _V4_DEFAULTS.get(data.get("kind"))
+def upgrade(data: dict, version: int) -> dict:
+    """A version-`version` event dict in the next version's schema."""
+    defaults = _LACKED[version].get(data.get("kind"))
     return {**defaults, **data} if defaults else data
 
 
@@ -106,14 +92,8 @@ def decode_event(text: str | bytes, schema_version: int = SCHEMA_VERSION) -> Eve
 
 def event_of(data: dict, schema_version: int = SCHEMA_VERSION) -> Event:
     """An event dict (as decoded from a line) as an event of the current schema."""
-    if schema_version == 1:
-        data = upgrade_v1(data)
-    if schema_version <= 2:
-        data = upgrade_v2(data)
-    if schema_version <= 3:
-        data = upgrade_v3(data)
-    if schema_version <= 4:
-        data = upgrade_v4(data)
+    for version in range(schema_version, SCHEMA_VERSION):
+        data = upgrade(data, version)
     return event_from_dict(data)
 
 
