@@ -131,7 +131,7 @@ def cmd_record(args) -> int:
     from batchtop.telemetry.recorder import Recorder
     bus = EventBus()
     engine = Engine(engine_config(args), sink=bus)
-    setup = engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len)
+    setup = engine_header(engine)
     with Recorder(args.out, model=args.model, knobs=engine.knobs(), bus=bus,
                   header_extra={"engine": setup}) as recorder:
         loop = EngineLoop(engine, load=load, load_seed=args.seed).start()

@@ -100,7 +100,7 @@ def run_real(loaded, trace: list[TraceItem], model: str = "tiny", **config) -> t
     config = EngineConfig(model=model, flight_recorder_steps=0, enable_prefix_caching=False, **config)
     engine = Engine(config, sink=events.append, loaded=loaded)
     header = make_header(model, engine.knobs(),
-                         engine=engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len))
+                         engine=engine_header(engine))
     loop = EngineLoop(engine, load=TraceLoad(list(trace))).start()
     while loop.running and not loop.served_load():
         time.sleep(0.05)

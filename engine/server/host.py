@@ -78,7 +78,7 @@ class BatchtopServer(ControlHost):
         engine = self.engine
         return {"block_size": engine.config.block_size, "num_kv_blocks": engine.kv.num_blocks,
                 "max_model_len": engine.max_model_len, "model": self.model_name,
-                "engine_setup": engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len)}
+                "engine_setup": engine_header(engine)}
 
     def health(self) -> tuple[int, dict]:
         if not self.loop.running:

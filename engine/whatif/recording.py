@@ -3,7 +3,9 @@
 The trace: per request its arrival time, prompt length, max_tokens, priority, the output length it
 ended with and how it ended (an abort becomes a time after arrival). The engine: the KV pool, block
 size, policy, layout and batch capacity from the header's `engine` entry (`batchtop record` writes
-it), otherwise the pool from the steps and the engine's defaults for the rest, listed in `assumed`.
+it), otherwise the pool from the steps and the engine's defaults for the rest, listed in `assumed`;
+the model's weight products per token and per sampled row, where the entry has them (the step-time
+law "products" needs them).
 Times are seconds since the recording's first event. Anything unusable is a ValueError in one line.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.knobs import KNOBS
+from batchtop.engine.model.dims import weight_macs
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.recorder import LogReader
 
@@ -52,13 +55,15 @@ class EngineSetup:
     knobs: dict                        # the knobs at the recording's start
     assumed: tuple[str, ...] = ()      # setup fields the recording did not carry
     vllm: dict | None = None           # made inside vLLM: the harness's Limits, and `version` ("0.32")
+    weight_macs: tuple[int, int] | None = None   # multiply-adds per token, per sampled row (dims.weight_macs)
 
     def to_dict(self) -> dict:
         if self.vllm is not None:
             return {key: value for key, value in self.vllm.items() if key != "version"}
-        return {"num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size, "policy": self.policy,
-                "layout": self.layout, "batch_capacity": self.batch_capacity,
-                "max_model_len": self.max_model_len}
+        entry = {"num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size, "policy": self.policy,
+                 "layout": self.layout, "batch_capacity": self.batch_capacity,
+                 "max_model_len": self.max_model_len}
+        return entry | ({"weight_macs": list(self.weight_macs)} if self.weight_macs else {})
 
 
 @dataclass
@@ -84,10 +89,14 @@ class Recording:
         return self.events[-1].t - self.t0 if self.events else 0.0
 
 
-def engine_header(config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> dict:
-    """The header's `engine` entry: what a replay of this engine needs beyond its knobs."""
-    return {"num_kv_blocks": num_kv_blocks, "block_size": config.block_size, "policy": config.policy,
-            "layout": config.layout, "batch_capacity": config.batch_capacity, "max_model_len": max_model_len}
+def engine_header(engine) -> dict:
+    """The header's `engine` entry of a running Engine: what a replay of it needs beyond its knobs, and
+    its model's weight products (multiply-adds per token, per sampled row) for the step-time law."""
+    config = engine.config
+    return {"num_kv_blocks": engine.kv.num_blocks, "block_size": config.block_size, "policy": config.policy,
+            "layout": config.layout, "batch_capacity": config.batch_capacity,
+            "max_model_len": engine.max_model_len,
+            "weight_macs": list(weight_macs(engine.loaded.model.config))}
 
 
 def made_inside_vllm(header: dict) -> bool:
@@ -176,8 +185,10 @@ def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -
     for name in missing:
         knobs[name] = getattr(defaults, name)
         assumed.append(name)
+    macs = engine.get("weight_macs")
     return EngineSetup(values["num_kv_blocks"], values["block_size"], values["policy"], values["layout"],
-                       values["batch_capacity"], max_model_len, knobs, tuple(assumed))
+                       values["batch_capacity"], max_model_len, knobs, tuple(assumed),
+                       weight_macs=tuple(macs) if macs else None)
 
 
 # vLLM's scheduler knobs that batchtop's class turns live (engine/vllm/control.py), and the

@@ -1,21 +1,22 @@
 """Step time from a recording's own StepFinished timings: no profiling run.
 
 The forward pass is fitted on what each step computed (`StepShape`: prefill tokens, decode rows,
-context tokens read, prefill attention work) by several linear laws with non-negative coefficients,
-each fitted to minimise the relative error (robust to steps slowed by other work on the machine);
-the simplest law whose held-out error (MAPE over 5 interleaved folds) is within one standard error of
-the lowest wins (a recording tells its laws apart only on the shapes it ran) and is refitted on every
-step. A predicted forward time is the law times the recording's own ratio of measured to fitted time,
-split in two (`Slowdown`): a factor per number of rows (where the law misfits a batch size), and
-the machine's load over time, drawn (seeded) from the recorded steps nearest the step's start on
-the virtual clock: a shared machine slows some steps many-fold and whole stretches of a run
-two-fold, queues grow with the mean step, not the typical one, and a what-if of an incident keeps
-the incident's moments of load where they were. The other phases (schedule,
-prepare, sample, update) are fitted linear in the rows. The gap between back-to-back steps (the
-loop's own time: the finished requests handed out, the new arrivals taken in) is a `GapLaw` linear in
-the arrivals and retirements, fitted to the recorded gaps by least squares (their mean: a queue
-grows with the mean gap). A step whose shape lies beyond what the recording saw is counted as
-extrapolated, with how far.
+rows sampled, context tokens read, prefill attention work) by several linear laws with non-negative
+coefficients (one of them, "products", prices the weight products at the model's own multiply-adds:
+a sampled row also goes through the LM head), each fitted to minimise the relative error (robust to
+steps slowed by other work on the machine); the simplest law whose held-out error (MAPE over 5
+interleaved folds) is within one standard error or 5% of the lowest wins (a recording tells its laws
+apart only on the shapes it ran) and is refitted on every step. A predicted forward time is the law
+times the recording's own ratio of measured to fitted time, split in two (`Slowdown`): a factor per
+number of rows (where the law misfits a batch size), and the machine's load over time, drawn (seeded)
+from the recorded steps nearest the step's start on the virtual clock: a shared machine slows some
+steps many-fold and whole stretches of a run two-fold, queues grow with the mean step, not the typical
+one, and a what-if of an incident keeps the incident's moments of load where they were. The other
+phases (schedule, prepare, sample, update) are fitted linear in the rows. The gap between back-to-back
+steps (the loop's own time: the finished requests handed out, the new arrivals taken in) is a
+`GapLaw` linear in the arrivals and retirements, fitted to the recorded gaps by least squares (their
+mean: a queue grows with the mean gap). A step whose shape lies beyond what the recording saw is
+counted as extrapolated, with how far.
 """
 from __future__ import annotations
 
@@ -33,8 +34,16 @@ from batchtop.telemetry.slowdown import Slowdown
 
 from .virtual import PhaseTimes, StepShape
 
-# name: the StepShape features of a law (an intercept always)
+PRODUCTS = "products"   # a law's feature: the weight products' multiply-adds, in tokens (`products_getter`)
+
+# name: the StepShape features of a law (an intercept always); a law with PRODUCTS is fitted only where
+# the recording names its model's multiply-adds, and comes first: of laws alike in size it is preferred
 LAWS: dict[str, tuple[str, ...]] = {
+    # the layers' products are paid per token, the LM head's per sampled row: a decode row costs more than
+    # a prompt token by the head's share (SmolLM2-135M: 0.27), which a recording at 4 rows cannot
+    # measure (its rows sample 1 to 4 tokens a step, alike) and a what-if at 32 rows pays 32 times
+    "products": (PRODUCTS,),
+    "products+context": (PRODUCTS, "context_tokens"),
     "tokens": ("num_tokens",),
     "prefill+decode": ("prefill_tokens", "decode_rows"),
     "prefill+decode+context": ("prefill_tokens", "decode_rows", "context_tokens"),
@@ -52,6 +61,10 @@ ROWS_PRIOR_STEPS = 20
 LOAD_SMOOTH_STEPS = 25           # the machine's load at a step: the mean ratio of this many steps either side
 EXTRAPOLATION_MARGIN = 1.1        # a feature up to 10% beyond the recorded maximum still counts as seen
 NUM_FOLDS = 5
+# laws whose held-out MAPE is within this share of the lowest (or within its standard error) fit the
+# recording alike: on the serve check's recordings (4 rows, AVX2) the laws' held-out errors lay within
+# 0.8-1.9% of each other, and their forward times at 16 rows 20-45% apart
+ALIKE_MAPE_SHARE = 0.05
 OVERHEAD_PHASES = ("schedule_s", "prepare_s", "sample_s", "update_s")   # fitted linear in the rows
 MIN_STEPS = 10
 
@@ -65,12 +78,37 @@ def feature_getter(name: str) -> Callable[[StepShape], float]:
     return _num_tokens if name == "num_tokens" else operator.attrgetter(name)
 
 
-def design(shapes: list[StepShape], names: tuple[str, ...]) -> np.ndarray:
+def products_getter(weight_macs: tuple[int, int]) -> Callable[[StepShape], float]:
+    """The step's weight products in tokens: every token through the layers, and each sampled row
+    through the LM head at the head's multiply-adds over a token's through the layers."""
+    per_token, per_sample = weight_macs
+    head_share = per_sample / per_token
+    return lambda shape: shape.prefill_tokens + shape.decode_rows + head_share * shape.sampled_rows
+
+
+def design(shapes: list[StepShape], names: tuple[str, ...],
+           weight_macs: tuple[int, int] | None = None) -> np.ndarray:
     x = np.ones((len(shapes), len(names) + 1))
     for j, name in enumerate(names):
-        get = feature_getter(name)
+        get = products_getter(weight_macs) if name == PRODUCTS else feature_getter(name)
         x[:, j + 1] = [get(s) for s in shapes]
     return x
+
+
+def priced_per_feature(names: tuple[str, ...], coef: np.ndarray,
+                       weight_macs: tuple[int, int] | None) -> tuple:
+    """A fitted law's features and coefficients (the intercept first) with PRODUCTS priced as its two
+    StepShape features: a price per token and one per sampled row."""
+    names_out, coef_out = [], [float(coef[0])]
+    for name, c in zip(names, coef[1:]):
+        if name == PRODUCTS:
+            per_token, per_sample = weight_macs
+            names_out += ["num_tokens", "sampled_rows"]
+            coef_out += [float(c), float(c) * per_sample / per_token]
+        else:
+            names_out.append(name)
+            coef_out.append(float(c))
+    return tuple(names_out), tuple(coef_out)
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -131,28 +169,36 @@ class Law:
         return " + ".join(terms)
 
 
-def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[str, ...]] = LAWS) -> Law:
-    """The simplest law (fewest features) whose held-out MAPE is within one standard error (over the folds)
-    of the lowest, refitted on every step. Laws the recording cannot tell apart may still part where a
-    what-if takes them: a recording at 4 rows on an AVX2 host fitted "tokens" at 12.8% and "prefill+
-    log-decode" at 12.7%, and the real runs' forward times at 16 rows came out 19% and 44% above them."""
+def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[str, ...]] = LAWS,
+            weight_macs: tuple[int, int] | None = None) -> Law:
+    """The simplest law (fewest features; of those alike in size, the first) whose held-out MAPE is within
+    one standard error (over the folds) or ALIKE_MAPE_SHARE of the lowest, refitted on every step. Laws
+    the recording cannot tell apart may still part where a what-if takes them: a recording at 4 rows on
+    an AVX2 host fitted "tokens" at 12.8% and "prefill+log-decode" at 12.7%, and the real runs' forward
+    times at 16 rows came out 19% and 44% above them. `weight_macs`: the model's (multiply-adds per
+    token, per sampled row), for the laws with PRODUCTS (none without)."""
     if len(shapes) < MIN_STEPS:
         raise ValueError(f"the recording has {len(shapes)} timed steps; fitting step times needs {MIN_STEPS}")
     y = np.asarray(times, dtype=float)
     fold = np.arange(len(shapes)) % NUM_FOLDS
-    fitted: list[tuple[Law, float]] = []          # each law and its held-out MAPE's standard error
+    fitted: list[tuple[Law, float, int]] = []     # each law, its held-out MAPE's standard error, its size
     for name, names in laws.items():
-        x = design(shapes, names)
+        if PRODUCTS in names and weight_macs is None:
+            continue
+        x = design(shapes, names, weight_macs)
         errors = []
         for k in range(NUM_FOLDS):
             train, test = fold != k, fold == k
             coef = relative_l1_fit(x[train], y[train])
             errors.append(mape(x[test] @ coef, y[test]))
-        law = Law(name, names, tuple(relative_l1_fit(x, y)), float(np.mean(errors)))
-        fitted.append((law, float(np.std(errors, ddof=1) / math.sqrt(NUM_FOLDS))))
-    lowest, standard_error = min(fitted, key=lambda f: f[0].heldout_mape)
-    within = [law for law, _ in fitted if law.heldout_mape <= lowest.heldout_mape + standard_error + 1e-9]
-    return min(within, key=lambda law: len(law.names))
+        priced = priced_per_feature(names, relative_l1_fit(x, y), weight_macs)
+        law = Law(name, *priced, float(np.mean(errors)))
+        fitted.append((law, float(np.std(errors, ddof=1) / math.sqrt(NUM_FOLDS)), len(names)))
+    lowest, standard_error, _ = min(fitted, key=lambda f: f[0].heldout_mape)
+    tolerance = max(standard_error, ALIKE_MAPE_SHARE * lowest.heldout_mape)
+    within = [(size, law) for law, _, size in fitted
+              if law.heldout_mape <= lowest.heldout_mape + tolerance + 1e-9]
+    return min(within, key=operator.itemgetter(0))[1]
 
 
 @dataclass(frozen=True)
@@ -292,10 +338,11 @@ class StepTimeModel:
 
 
 
-def fit_model(shapes: list[StepShape], finished: list, gaps: list[GapSample]) -> StepTimeModel:
+def fit_model(shapes: list[StepShape], finished: list, gaps: list[GapSample],
+              weight_macs: tuple[int, int] | None = None) -> StepTimeModel:
     """`shapes[i]` is what recorded step `finished[i]` (its StepFinished) computed; `gaps`: the recorded
-    gaps between back-to-back steps."""
-    forward = fit_law(shapes, [e.forward_s for e in finished])
+    gaps between back-to-back steps; `weight_macs`: the model's, where the recording names them."""
+    forward = fit_law(shapes, [e.forward_s for e in finished], weight_macs=weight_macs)
     rows = design(shapes, ("num_rows",))
     overhead = {}
     for phase in OVERHEAD_PHASES:

@@ -33,6 +33,7 @@ class StepShape:
     num_rows: int
     prefill_tokens: int          # tokens of prefill and recompute rows
     decode_rows: int             # decode and padding rows (one token each)
+    sampled_rows: int            # rows that sample a token (decode rows, and prompts that end in the step)
     context_tokens: int          # sum of the rows' sequence lengths: KV read by attention
     prefill_attention: int       # sum over prefill rows of chunk x sequence length
     start_s: float = 0.0         # when it began on the virtual clock (the machine's load then)
@@ -198,4 +199,5 @@ def _shape(batch_step: BatchStep, start_s: float) -> StepShape:
         else:
             prefill_tokens += num_tokens
             attention += num_tokens * seq_len
-    return StepShape(len(batch_step.rows), prefill_tokens, decode_rows, context, attention, start_s)
+    sampled = int(batch_step.samples.sum())
+    return StepShape(len(batch_step.rows), prefill_tokens, decode_rows, sampled, context, attention, start_s)

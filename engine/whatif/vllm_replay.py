@@ -37,7 +37,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 VLLM_ENVS = {"0.32": ".venv-vllm", "0.33": ".venv-vllm033"}   # what `make setup` builds
 EARLY_S = 1e-9              # arrivals and aborts a hair early: the harness takes them at clock >= time
 VLLM_MAX_NUM_SEQS = 1024    # the largest max_num_seqs a what-if may ask of a fresh vLLM scheduler
-SHAPE_FIELDS = ("num_rows", "prefill_tokens", "decode_rows", "context_tokens", "prefill_attention")
+SHAPE_FIELDS = ("num_rows", "prefill_tokens", "decode_rows", "sampled_rows", "context_tokens",
+                "prefill_attention")
 
 
 def vllm_python(version: str) -> Path:
@@ -181,7 +182,8 @@ def fit_through_harness(rec: Recording, shapes: list[StepShape]) -> StepTimeMode
     shape starting where its recorded step started (the machine's load then)."""
     pairs = [(dataclasses.replace(shape, start_s=e.t - rec.t0 - recorded_phases(e).total_s), e)
              for shape, e in recorded_steps(rec, shapes)]
-    return fit_model([s for s, _ in pairs], [e for _, e in pairs], recorded_gaps(rec))
+    return fit_model([s for s, _ in pairs], [e for _, e in pairs], recorded_gaps(rec),
+                     rec.setup.weight_macs)
 
 
 def predict_through_harness(rec: Recording, model: StepTimeModel, harness: HarnessProcess, changed: dict,

@@ -27,7 +27,7 @@ def recording(tiny):
                           flight_recorder_steps=0, enable_prefix_caching=False)
     engine = Engine(config, sink=events.append, loaded=tiny)
     header = make_header("tiny", engine.knobs(),
-                         engine=engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len))
+                         engine=engine_header(engine))
     engine.add_request([7] * 6, SamplingParams(max_tokens=6, ignore_eos=True), request_id="early")
     engine.step()
     late = engine.make_request([9] * 5, SamplingParams(max_tokens=4, ignore_eos=True), request_id="late")

@@ -7,9 +7,10 @@ import random
 import pytest
 from whatif_helpers import linear_law, synthetic_recording
 
+from batchtop.engine.model.dims import weight_macs
 from batchtop.engine.whatif.grid import predict, run_of
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
-from batchtop.engine.whatif.steptime import LAWS, ROWS_PRIOR_STEPS, fit_law, fit_slowdown
+from batchtop.engine.whatif.steptime import LAWS, PRODUCTS, ROWS_PRIOR_STEPS, fit_law, fit_slowdown
 from batchtop.engine.whatif.virtual import StepShape
 
 
@@ -40,7 +41,7 @@ def test_the_gap_law_between_steps_is_recovered(synthetic):
 
 
 def test_the_law_is_chosen_by_held_out_error_not_by_its_size():
-    shapes = [StepShape(r, 8 * r, r, 40 * r, 0) for r in range(1, 60)]
+    shapes = [StepShape(r, 8 * r, r, r, 40 * r, 0) for r in range(1, 60)]
     times = [1e-3 + 50e-6 * s.prefill_tokens + 50e-6 * s.decode_rows for s in shapes]   # one token law
     law = fit_law(shapes, times)
     assert law.heldout_mape < 1e-6
@@ -53,12 +54,12 @@ def test_a_cost_concave_in_rows_is_fitted_by_a_log_law_that_extrapolates():
     near the truth, where the best linear law, its slope set by 1 to 4 rows, overshoots by more than 15%."""
     def truth(rows):
         return 4e-3 + 1.2e-3 * math.log2(1 + rows)
-    shapes = [StepShape(r, 0, r, 60 * r, 0) for r in (1, 2, 3, 4) for _ in range(30)]
+    shapes = [StepShape(r, 0, r, r, 60 * r, 0) for r in (1, 2, 3, 4) for _ in range(30)]
     noise = random.Random(0)        # +-2% per step (a pattern that repeated with the folds would give
     times = [truth(s.decode_rows) * (1 + noise.uniform(-0.02, 0.02)) for s in shapes]   # each its own offset)
     law = fit_law(shapes, times)
     assert "log-decode" in law.name
-    eight = StepShape(8, 0, 8, 480, 0)
+    eight = StepShape(8, 0, 8, 8, 480, 0)
     assert law.predict(eight) == pytest.approx(truth(8), rel=0.05)
     linear = fit_law(shapes, times, {name: names for name, names in LAWS.items() if "log" not in name})
     assert linear.predict(eight) > 1.15 * truth(8)
@@ -93,7 +94,7 @@ def test_steps_at_a_row_count_the_recording_ran_a_handful_of_times_are_flagged(s
     assert "row counts the recording ran fewer than 20 times (2 rows: 3 recorded)" in run.extrapolation
     assert "beyond the recorded shapes" not in run.extrapolation
     # 60 steps of 4 rows as the law says, 3 of 2 rows twice as slow: their factor stays near 1
-    shapes = [StepShape(2 if i % 20 == 10 else 4, 0, 4, 40, 0, i * 0.01) for i in range(60)]
+    shapes = [StepShape(2 if i % 20 == 10 else 4, 0, 4, 4, 40, 0, i * 0.01) for i in range(60)]
     measured = [(2.0 if s.num_rows == 2 else 1.0) * model.forward.predict(s) for s in shapes]
     assert 1.0 < fit_slowdown(shapes, measured, model.forward).by_rows[2] < 1.2
 
@@ -109,16 +110,63 @@ def test_of_laws_the_recording_cannot_tell_apart_the_simplest_is_chosen():
     for _ in range(600):
         if rng.random() < 0.1:
             prompt, decode = rng.randint(8, 60), rng.randint(0, 3)
-            shapes.append(StepShape(decode + 1, prompt, decode, 200, prompt * prompt // 2))
+            shapes.append(StepShape(decode + 1, prompt, decode, decode + 1, 200, prompt * prompt // 2))
             ms = 10 + 2.2 * (prompt + decode)
         else:
             rows = 4 if rng.random() < 0.9 else rng.randint(1, 3)
-            shapes.append(StepShape(rows, 0, rows, 100 * rows, 0))
+            shapes.append(StepShape(rows, 0, rows, rows, 100 * rows, 0))
             ms = decode_ms[rows]
         times.append(ms * 1e-3 * (1 + rng.uniform(-0.15, 0.15)))
-    law = fit_law(shapes, times)
-    lowest = min((fit_law(shapes, times, {name: names}) for name, names in LAWS.items()),
-                 key=lambda fitted: fitted.heldout_mape)
+    law = fit_law(shapes, times)                  # no weight_macs: the laws without PRODUCTS
+    lowest = min((fit_law(shapes, times, {name: names}) for name, names in LAWS.items()
+                  if PRODUCTS not in names), key=lambda fitted: fitted.heldout_mape)
     assert law.name == "tokens" and lowest.name != "tokens" and lowest.heldout_mape < law.heldout_mape
-    sixteen = StepShape(16, 0, 16, 1600, 0)
+    sixteen = StepShape(16, 0, 16, 16, 1600, 0)
     assert law.predict(sixteen) == pytest.approx(10e-3 + 16 * 2.2e-3, rel=0.1)
+
+
+def test_a_sampled_row_priced_at_the_model_s_head_share_extrapolates_to_more_rows():
+    """A recording at 4 rows of a model whose LM head is 0.27 of a token's products through the layers
+    (SmolLM2-135M's shapes): a prompt token costs 1.75 ms, a sampled row 1.75 + 0.47 ms, plus 10 ms a step.
+    Its rows sample 1 to 4 tokens a step, so no law with a free price per sampled row can measure that
+    price; "products" takes it from the model and prices a 16-row decode step within 3%, where "tokens"
+    (one price for a prompt token and a decode row) falls more than 10% short."""
+    per_token, per_sample = 106_168_320, 28_311_552
+    rng = random.Random(5)
+    shapes, times = [], []
+    for _ in range(600):
+        if rng.random() < 0.1:
+            prompt, decode = rng.randint(8, 60), rng.randint(0, 3)
+            shape = StepShape(decode + 1, prompt, decode, decode + 1, 200, prompt * prompt // 2)
+        else:
+            rows = 4 if rng.random() < 0.9 else rng.randint(1, 3)
+            shape = StepShape(rows, 0, rows, rows, 100 * rows, 0)
+        shapes.append(shape)
+        tokens = shape.prefill_tokens + shape.decode_rows
+        times.append((10 + 1.75 * tokens + 1.75 * per_sample / per_token * shape.sampled_rows) * 1e-3
+                     * (1 + rng.uniform(-0.1, 0.1)))
+    law = fit_law(shapes, times, weight_macs=(per_token, per_sample))
+    assert law.name == "products" and law.names == ("num_tokens", "sampled_rows")
+    assert law.coef[2] == pytest.approx(law.coef[1] * per_sample / per_token)
+    sixteen = StepShape(16, 0, 16, 16, 1600, 0)
+    truth = (10 + 16 * 1.75 * (1 + per_sample / per_token)) * 1e-3
+    assert law.predict(sixteen) == pytest.approx(truth, rel=0.03)
+    assert fit_law(shapes, times, {"tokens": LAWS["tokens"]}).predict(sixteen) < 0.9 * truth
+
+
+def test_a_recording_names_its_model_s_weight_products_and_each_step_its_sampled_rows(recording, tiny):
+    """The header's engine entry carries the tiny model's multiply-adds (73,728 a token through its layers,
+    3,145,728 a sampled row through its head); each replayed step counts the rows that sampled, which are
+    the recorded step's sampled requests; the fit then weighs "products" among its laws."""
+    assert recording.setup.weight_macs == weight_macs(tiny.model.config) == (73_728, 3_145_728)
+    assert recording.setup.to_dict()["weight_macs"] == [73_728, 3_145_728]
+    identity = replay_identity(recording)
+    sampled = {e.step: len(e.sampled_request_ids) for e in recording.steps}
+    steps = [e.step for e in recording.steps]
+    shapes = identity.engine.shapes
+    assert len(shapes) == len(steps) and any(s.prefill_tokens and s.sampled_rows < s.num_rows for s in shapes)
+    assert [s.sampled_rows for s in shapes] == [sampled[step] for step in steps]
+    with_products = fit_law(shapes, [e.forward_s for e in recording.steps], {"products": LAWS["products"]},
+                            weight_macs=recording.setup.weight_macs)
+    assert with_products.names == ("num_tokens", "sampled_rows")
+    assert with_products.coef[2] == pytest.approx(with_products.coef[1] * 3_145_728 / 73_728)

@@ -22,7 +22,7 @@ def test_the_share_is_of_the_recorded_wall_time():
 
 def test_a_law_prices_every_step_with_its_intercept():
     spec = {"law": {"prefill_tokens": 1e-3, "decode_rows": 2e-3, "num_rows": 0.0}, "intercept_s": 0.5}
-    shapes = [StepShape(1, 10, 0, 10, 100), StepShape(3, 0, 3, 40, 0)]
+    shapes = [StepShape(1, 10, 0, 1, 10, 100), StepShape(3, 0, 3, 3, 40, 0)]
     assert law_seconds(spec, shapes) == pytest.approx(0.5 + 0.010 + 0.5 + 0.006)
     assert law_seconds(spec, []) == 0.0
 

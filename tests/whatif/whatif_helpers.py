@@ -31,7 +31,7 @@ def record_engine(loaded, *, steps: int = 300, seed: int = 0, knob_plan=(), abor
     events: list = []
     engine = Engine(EngineConfig(**settings), sink=events.append, loaded=loaded)
     header = make_header("tiny", engine.knobs(),
-                         engine=engine_header(engine.config, engine.kv.num_blocks, engine.max_model_len))
+                         engine=engine_header(engine))
     rng = random.Random(seed)
     plan = {step: (name, value) for step, name, value in knob_plan}
     for step in range(1, steps + 1):
