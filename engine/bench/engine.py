@@ -38,6 +38,7 @@ from batchtop.engine.model.loading import LoadedModel, load_model, smollm2_folde
 from batchtop.engine.model.runner import flat_forward_for
 from batchtop.kernels import cpu
 from batchtop.telemetry import events as ev
+from batchtop.telemetry.weights import weight_macs
 
 from .figures import commit, cpu_name, publish
 
@@ -50,12 +51,6 @@ def make_trace(seed: int = 0, num_requests: int = 64, vocab=(1000, 30000)):
     prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(16, 128))] for _ in range(num_requests)]
     lengths = [min(256, max(4, round(rng.expovariate(1 / 64)))) for _ in range(num_requests)]
     return prompts, lengths
-
-
-def linear_flops_per_token(model) -> tuple[int, int]:
-    """Matmul FLOPs of one token: (through the layers, of the LM head)."""
-    layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
-    return 2 * layers, 2 * model.lm_head.weight.numel()
 
 
 def best_gemm_rates(model, rows=(64, 128, 256), repeats=20) -> tuple[float, float]:
@@ -334,7 +329,7 @@ def main(argv=None) -> int:
     useful = sum(lengths)
     on_cpu = args.device == "cpu"
     if on_cpu:
-        per_layer, per_head = linear_flops_per_token(loaded.model)
+        per_layer, per_head = (2 * macs for macs in weight_macs(loaded.model.config))   # FLOPs
         flops = sum(len(p) for p in prompts) * per_layer + useful * (per_layer + per_head)
         # the machine's rates, sampled before, between and after the contenders: this VM drifts by tens of
         # percent from minute to minute, and a floor measured in a slow minute would flatter the fraction

@@ -21,13 +21,3 @@ class ModelDims:
         """A token's K and V in every layer's cache, for a torch dtype."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
-
-def weight_macs(config) -> tuple[int, int]:
-    """A Llama's weight products in multiply-adds: per token through every layer (the attention's four
-    projections and the gated MLP's three), and per sampled row in the LM head (only the rows that
-    sample a token go through it). SmolLM2-135M: 106,168,320 and 28,311,552."""
-    dims = ModelDims.of(config)
-    hidden = config.hidden_size
-    attention = hidden * dims.head_dim * (2 * dims.num_heads + 2 * dims.num_kv_heads)
-    mlp = 3 * hidden * config.intermediate_size
-    return dims.num_layers * (attention + mlp), hidden * config.vocab_size

@@ -28,6 +28,7 @@ from batchtop.telemetry.protocol.limits import MAX_BODY_BYTES
 from batchtop.telemetry.protocol.routes import ControlHost, lifespan, mount
 from batchtop.telemetry.protocol.runner import ServerThread
 from batchtop.telemetry.protocol.stream import EventRing
+from batchtop.telemetry.weights import weight_macs
 
 from .control import apply_knob, knob_values
 
@@ -38,8 +39,13 @@ logger = init_logger(f"vllm.{__name__}")      # through vLLM's log handler
 def engine_setup(scheduler) -> dict:
     """What a what-if of a recording of this engine needs beyond its knobs: the harness's `Limits` of
     the engine (engine/vllm/harness.py; the pool with vLLM's null block). A recording's header carries
-    it as `engine`."""
-    return {"num_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+    it as `engine`, with the model's weight products (the step-time law "products"; none where its config
+    is not a Llama's)."""
+    try:
+        macs = {"weight_macs": list(weight_macs(scheduler.vllm_config.model_config.hf_text_config))}
+    except AttributeError:
+        macs = {}
+    return macs | {"num_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
             "block_size": scheduler.block_size, "max_model_len": scheduler.max_model_len,
             "enable_prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
             "policy": str(scheduler.scheduler_config.policy),

@@ -64,7 +64,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from batchtop.telemetry.run_stats import Metrics
 from batchtop.telemetry.slowdown import Slowdown
 
-SHAPE_FEATURES = ("num_rows", "prefill_tokens", "decode_rows", "sampled_rows", "context_tokens",
+SHAPE_FEATURES = ("num_rows", "prefill_tokens", "decode_rows", "head_rows", "context_tokens",
                   "prefill_attention")
 # features a law may name beside the shape's own, computed from it (batchtop's StepShape has the same)
 DERIVED_FEATURES = {"log_decode_rows": lambda shape: math.log2(1 + shape["decode_rows"])}
@@ -132,7 +132,7 @@ class StepRecord:
     num_rows: int = 0
     prefill_tokens: int = 0  # tokens of rows still computing a prompt (or recomputing one)
     decode_rows: int = 0
-    sampled_rows: int = 0  # rows whose step ends at their last known token: they sample one
+    head_rows: int = 0  # rows through the LM head: all (vLLM's runner takes every row's last logits)
     context_tokens: int = 0  # sum of the rows' sequence lengths after the step
     prefill_attention: int = 0  # sum over prefill rows of chunk x sequence length
 
@@ -358,8 +358,8 @@ class Harness:
             request = self.scheduler.requests[request_id]
             seq_len = request.num_computed_tokens  # already advanced by schedule()
             shape["num_rows"] += 1
+            shape["head_rows"] += 1
             shape["context_tokens"] += seq_len
-            shape["sampled_rows"] += seq_len >= request.num_tokens
             if n == 1 and seq_len - 1 >= request.num_prompt_tokens:
                 shape["decode_rows"] += 1
             else:

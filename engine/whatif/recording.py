@@ -4,7 +4,7 @@ The trace: per request its arrival time, prompt length, max_tokens, priority, th
 ended with and how it ended (an abort becomes a time after arrival). The engine: the KV pool, block
 size, policy, layout and batch capacity from the header's `engine` entry (`batchtop record` writes
 it), otherwise the pool from the steps and the engine's defaults for the rest, listed in `assumed`;
-the model's weight products per token and per sampled row, where the entry has them (the step-time
+the model's weight products per token and per row through the LM head, where the entry has them (the step-time
 law "products" needs them).
 Times are seconds since the recording's first event. Anything unusable is a ValueError in one line.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.core.knobs import KNOBS
-from batchtop.engine.model.dims import weight_macs
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.recorder import LogReader
+from batchtop.telemetry.weights import weight_macs
 
 QUEUE_EXITS = ("abort", "error")       # reasons a request retires between steps
 
@@ -55,14 +55,15 @@ class EngineSetup:
     knobs: dict                        # the knobs at the recording's start
     assumed: tuple[str, ...] = ()      # setup fields the recording did not carry
     vllm: dict | None = None           # made inside vLLM: the harness's Limits, and `version` ("0.32")
-    weight_macs: tuple[int, int] | None = None   # multiply-adds per token, per sampled row (dims.weight_macs)
+    weight_macs: tuple[int, int] | None = None   # multiply-adds per token, per head row (weights.py)
 
     def to_dict(self) -> dict:
         if self.vllm is not None:
-            return {key: value for key, value in self.vllm.items() if key != "version"}
-        entry = {"num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size, "policy": self.policy,
-                 "layout": self.layout, "batch_capacity": self.batch_capacity,
-                 "max_model_len": self.max_model_len}
+            entry = {key: value for key, value in self.vllm.items() if key != "version"}
+        else:
+            entry = {"num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
+                     "policy": self.policy, "layout": self.layout, "batch_capacity": self.batch_capacity,
+                     "max_model_len": self.max_model_len}
         return entry | ({"weight_macs": list(self.weight_macs)} if self.weight_macs else {})
 
 
@@ -91,7 +92,7 @@ class Recording:
 
 def engine_header(engine) -> dict:
     """The header's `engine` entry of a running Engine: what a replay of it needs beyond its knobs, and
-    its model's weight products (multiply-adds per token, per sampled row) for the step-time law."""
+    its model's weight products (multiply-adds per token, per LM head row) for the step-time law."""
     config = engine.config
     return {"num_kv_blocks": engine.kv.num_blocks, "block_size": config.block_size, "policy": config.policy,
             "layout": config.layout, "batch_capacity": config.batch_capacity,
@@ -216,6 +217,7 @@ def _vllm_setup(header: dict, events: list[ev.Event], requests: list[TraceReques
             assumed.append(name)
         limits[name] = engine.get(name, default)
     limits.update(knobs)
+    macs = engine.get("weight_macs")
     return EngineSetup(limits["num_blocks"] - 1, limits["block_size"], limits["policy"], "vllm",
                        knobs["max_num_seqs"], limits["max_model_len"], knobs, tuple(assumed),
-                       {**limits, "version": vllm_version(header)})
+                       {**limits, "version": vllm_version(header)}, tuple(macs) if macs else None)

@@ -3,7 +3,7 @@
 The forward pass is fitted on what each step computed (`StepShape`: prefill tokens, decode rows,
 rows sampled, context tokens read, prefill attention work) by several linear laws with non-negative
 coefficients (one of them, "products", prices the weight products at the model's own multiply-adds:
-a sampled row also goes through the LM head), each fitted to minimise the relative error (robust to
+a row's last token also goes through the LM head), each fitted to minimise the relative error (robust to
 steps slowed by other work on the machine); the simplest law whose held-out error (MAPE over 5
 interleaved folds) is within one standard error or 5% of the lowest wins (a recording tells its laws
 apart only on the shapes it ran) and is refitted on every step. A predicted forward time is the law
@@ -39,9 +39,9 @@ PRODUCTS = "products"   # a law's feature: the weight products' multiply-adds, i
 # name: the StepShape features of a law (an intercept always); a law with PRODUCTS is fitted only where
 # the recording names its model's multiply-adds, and comes first: of laws alike in size it is preferred
 LAWS: dict[str, tuple[str, ...]] = {
-    # the layers' products are paid per token, the LM head's per sampled row: a decode row costs more than
+    # the layers' products are paid per token, the LM head's per head row: a decode row costs more than
     # a prompt token by the head's share (SmolLM2-135M: 0.27), which a recording at 4 rows cannot
-    # measure (its rows sample 1 to 4 tokens a step, alike) and a what-if at 32 rows pays 32 times
+    # measure (its steps have 1 to 4 head rows, alike) and a what-if at 32 rows pays 32 times
     "products": (PRODUCTS,),
     "products+context": (PRODUCTS, "context_tokens"),
     "tokens": ("num_tokens",),
@@ -79,11 +79,11 @@ def feature_getter(name: str) -> Callable[[StepShape], float]:
 
 
 def products_getter(weight_macs: tuple[int, int]) -> Callable[[StepShape], float]:
-    """The step's weight products in tokens: every token through the layers, and each sampled row
-    through the LM head at the head's multiply-adds over a token's through the layers."""
-    per_token, per_sample = weight_macs
-    head_share = per_sample / per_token
-    return lambda shape: shape.prefill_tokens + shape.decode_rows + head_share * shape.sampled_rows
+    """The step's weight products in tokens: every token through the layers, and each head row through
+    the LM head at the head's multiply-adds over a token's through the layers."""
+    per_token, per_head_row = weight_macs
+    head_share = per_head_row / per_token
+    return lambda shape: shape.prefill_tokens + shape.decode_rows + head_share * shape.head_rows
 
 
 def design(shapes: list[StepShape], names: tuple[str, ...],
@@ -98,13 +98,13 @@ def design(shapes: list[StepShape], names: tuple[str, ...],
 def priced_per_feature(names: tuple[str, ...], coef: np.ndarray,
                        weight_macs: tuple[int, int] | None) -> tuple:
     """A fitted law's features and coefficients (the intercept first) with PRODUCTS priced as its two
-    StepShape features: a price per token and one per sampled row."""
+    StepShape features: a price per token and one per head row."""
     names_out, coef_out = [], [float(coef[0])]
     for name, c in zip(names, coef[1:]):
         if name == PRODUCTS:
-            per_token, per_sample = weight_macs
-            names_out += ["num_tokens", "sampled_rows"]
-            coef_out += [float(c), float(c) * per_sample / per_token]
+            per_token, per_head_row = weight_macs
+            names_out += ["num_tokens", "head_rows"]
+            coef_out += [float(c), float(c) * per_head_row / per_token]
         else:
             names_out.append(name)
             coef_out.append(float(c))
@@ -176,7 +176,7 @@ def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[s
     the recording cannot tell apart may still part where a what-if takes them: a recording at 4 rows on
     an AVX2 host fitted "tokens" at 12.8% and "prefill+log-decode" at 12.7%, and the real runs' forward
     times at 16 rows came out 19% and 44% above them. `weight_macs`: the model's (multiply-adds per
-    token, per sampled row), for the laws with PRODUCTS (none without)."""
+    token, per LM head row), for the laws with PRODUCTS (none without)."""
     if len(shapes) < MIN_STEPS:
         raise ValueError(f"the recording has {len(shapes)} timed steps; fitting step times needs {MIN_STEPS}")
     y = np.asarray(times, dtype=float)

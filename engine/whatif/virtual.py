@@ -33,7 +33,7 @@ class StepShape:
     num_rows: int
     prefill_tokens: int          # tokens of prefill and recompute rows
     decode_rows: int             # decode and padding rows (one token each)
-    sampled_rows: int            # rows that sample a token (decode rows, and prompts that end in the step)
+    head_rows: int               # rows whose last token goes through the LM head (here: those that sample)
     context_tokens: int          # sum of the rows' sequence lengths: KV read by attention
     prefill_attention: int       # sum over prefill rows of chunk x sequence length
     start_s: float = 0.0         # when it began on the virtual clock (the machine's load then)

@@ -37,7 +37,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 VLLM_ENVS = {"0.32": ".venv-vllm", "0.33": ".venv-vllm033"}   # what `make setup` builds
 EARLY_S = 1e-9              # arrivals and aborts a hair early: the harness takes them at clock >= time
 VLLM_MAX_NUM_SEQS = 1024    # the largest max_num_seqs a what-if may ask of a fresh vLLM scheduler
-SHAPE_FIELDS = ("num_rows", "prefill_tokens", "decode_rows", "sampled_rows", "context_tokens",
+SHAPE_FIELDS = ("num_rows", "prefill_tokens", "decode_rows", "head_rows", "context_tokens",
                 "prefill_attention")
 
 

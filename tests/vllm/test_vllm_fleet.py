@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 from textual.widgets import Input
-from vllm_helpers import AUTH, EVENTS_API_KEY
+from transformers import AutoConfig
+from vllm_helpers import AUTH, EVENTS_API_KEY, model_dir
 
 from batchtop.engine.core.config import EngineConfig
 from batchtop.engine.server.app import ServerThread, build_server
@@ -19,6 +20,7 @@ from batchtop.engine.whatif.recording import read_recording
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.exposition import parse_exposition
 from batchtop.telemetry.fleet_log import read_fleet_log
+from batchtop.telemetry.weights import weight_macs
 from batchtop.tui.dashboard import DashboardScreen
 from batchtop.tui.fleet.member import Member
 from batchtop.tui.fleet.screen import FleetApp
@@ -143,8 +145,10 @@ def test_fleet_over_two_serves_and_a_real_vllm(vllm_server, serves, tmp_path):
             assert served.setup.vllm["num_blocks"] == state["num_kv_blocks"] + 1
             assert served.setup.vllm["block_size"] == state["block_size"]
             assert served.setup.vllm["max_model_len"] == state["max_model_len"]
+            assert served.setup.weight_macs == weight_macs(AutoConfig.from_pretrained(model_dir()))
             tiny = read_recording(path, "serve-8")
             assert tiny.setup.assumed == () and tiny.setup.num_kv_blocks == 64
+            assert tiny.setup.weight_macs == (73_728, 3_145_728)      # the tiny model's
 
             await pilot.press("enter")
             assert isinstance(app.screen, DashboardScreen) and app.screen.source.kind == "remote"

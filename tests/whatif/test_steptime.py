@@ -7,11 +7,11 @@ import random
 import pytest
 from whatif_helpers import linear_law, synthetic_recording
 
-from batchtop.engine.model.dims import weight_macs
 from batchtop.engine.whatif.grid import predict, run_of
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
 from batchtop.engine.whatif.steptime import LAWS, PRODUCTS, ROWS_PRIOR_STEPS, fit_law, fit_slowdown
 from batchtop.engine.whatif.virtual import StepShape
+from batchtop.telemetry.weights import weight_macs
 
 
 @pytest.fixture(scope="module")
@@ -125,13 +125,13 @@ def test_of_laws_the_recording_cannot_tell_apart_the_simplest_is_chosen():
     assert law.predict(sixteen) == pytest.approx(10e-3 + 16 * 2.2e-3, rel=0.1)
 
 
-def test_a_sampled_row_priced_at_the_model_s_head_share_extrapolates_to_more_rows():
+def test_a_head_row_priced_at_the_model_s_head_share_extrapolates_to_more_rows():
     """A recording at 4 rows of a model whose LM head is 0.27 of a token's products through the layers
     (SmolLM2-135M's shapes): a prompt token costs 1.75 ms, a sampled row 1.75 + 0.47 ms, plus 10 ms a step.
-    Its rows sample 1 to 4 tokens a step, so no law with a free price per sampled row can measure that
+    Its steps have 1 to 4 head rows, so no law with a free price per head row can measure that
     price; "products" takes it from the model and prices a 16-row decode step within 3%, where "tokens"
     (one price for a prompt token and a decode row) falls more than 10% short."""
-    per_token, per_sample = 106_168_320, 28_311_552
+    per_token, per_head_row = 106_168_320, 28_311_552
     rng = random.Random(5)
     shapes, times = [], []
     for _ in range(600):
@@ -143,18 +143,18 @@ def test_a_sampled_row_priced_at_the_model_s_head_share_extrapolates_to_more_row
             shape = StepShape(rows, 0, rows, rows, 100 * rows, 0)
         shapes.append(shape)
         tokens = shape.prefill_tokens + shape.decode_rows
-        times.append((10 + 1.75 * tokens + 1.75 * per_sample / per_token * shape.sampled_rows) * 1e-3
+        times.append((10 + 1.75 * tokens + 1.75 * per_head_row / per_token * shape.head_rows) * 1e-3
                      * (1 + rng.uniform(-0.1, 0.1)))
-    law = fit_law(shapes, times, weight_macs=(per_token, per_sample))
-    assert law.name == "products" and law.names == ("num_tokens", "sampled_rows")
-    assert law.coef[2] == pytest.approx(law.coef[1] * per_sample / per_token)
+    law = fit_law(shapes, times, weight_macs=(per_token, per_head_row))
+    assert law.name == "products" and law.names == ("num_tokens", "head_rows")
+    assert law.coef[2] == pytest.approx(law.coef[1] * per_head_row / per_token)
     sixteen = StepShape(16, 0, 16, 16, 1600, 0)
-    truth = (10 + 16 * 1.75 * (1 + per_sample / per_token)) * 1e-3
+    truth = (10 + 16 * 1.75 * (1 + per_head_row / per_token)) * 1e-3
     assert law.predict(sixteen) == pytest.approx(truth, rel=0.03)
     assert fit_law(shapes, times, {"tokens": LAWS["tokens"]}).predict(sixteen) < 0.9 * truth
 
 
-def test_a_recording_names_its_model_s_weight_products_and_each_step_its_sampled_rows(recording, tiny):
+def test_a_recording_names_its_model_s_weight_products_and_each_step_its_head_rows(recording, tiny):
     """The header's engine entry carries the tiny model's multiply-adds (73,728 a token through its layers,
     3,145,728 a sampled row through its head); each replayed step counts the rows that sampled, which are
     the recorded step's sampled requests; the fit then weighs "products" among its laws."""
@@ -164,9 +164,9 @@ def test_a_recording_names_its_model_s_weight_products_and_each_step_its_sampled
     sampled = {e.step: len(e.sampled_request_ids) for e in recording.steps}
     steps = [e.step for e in recording.steps]
     shapes = identity.engine.shapes
-    assert len(shapes) == len(steps) and any(s.prefill_tokens and s.sampled_rows < s.num_rows for s in shapes)
-    assert [s.sampled_rows for s in shapes] == [sampled[step] for step in steps]
+    assert len(shapes) == len(steps) and any(s.prefill_tokens and s.head_rows < s.num_rows for s in shapes)
+    assert [s.head_rows for s in shapes] == [sampled[step] for step in steps]
     with_products = fit_law(shapes, [e.forward_s for e in recording.steps], {"products": LAWS["products"]},
                             weight_macs=recording.setup.weight_macs)
-    assert with_products.names == ("num_tokens", "sampled_rows")
+    assert with_products.names == ("num_tokens", "head_rows")
     assert with_products.coef[2] == pytest.approx(with_products.coef[1] * 3_145_728 / 73_728)
