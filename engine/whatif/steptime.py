@@ -1,12 +1,12 @@
 """Step time from a recording's own StepFinished timings: no profiling run.
 
 The forward pass is fitted on what each step computed (`StepShape`: prefill tokens, decode rows,
-rows sampled, context tokens read, prefill attention work) by several linear laws with non-negative
-coefficients (one of them, "products", prices the weight products at the model's own multiply-adds:
-a row's last token also goes through the LM head), each fitted to minimise the relative error (robust to
-steps slowed by other work on the machine); the simplest law whose held-out error (MAPE over 5
-interleaved folds) is within one standard error or 5% of the lowest wins (a recording tells its laws
-apart only on the shapes it ran) and is refitted on every step. A predicted forward time is the law
+rows through the LM head, context tokens read, prefill attention work) by several linear laws with
+non-negative coefficients (one of them, "products", prices the weight products at the model's own
+multiply-adds: a row's last token also goes through the LM head), each fitted to minimise the relative
+error (robust to steps slowed by other work on the machine); the simplest law whose held-out error
+(MAPE over 5 interleaved folds) is within one standard error or 5% of the lowest wins (a recording
+tells its laws apart only on the shapes it ran) and is refitted on every step. A predicted forward time is the law
 times the recording's own ratio of measured to fitted time, split in two (`Slowdown`): a factor per
 number of rows (where the law misfits a batch size), and the machine's load over time, drawn (seeded)
 from the recorded steps nearest the step's start on the virtual clock: a shared machine slows some
