@@ -1,22 +1,22 @@
 """Step time from a recording's own StepFinished timings: no profiling run.
 
-The forward pass is fitted on what each step computed (`StepShape`: prefill tokens, decode rows,
-rows through the LM head, context tokens read, prefill attention work) by several linear laws with
+The forward pass is fitted on what each step computed (`StepShape`: prefill tokens, decode rows, rows
+through the LM head, context tokens read, prefill attention work) by several linear laws with
 non-negative coefficients (one of them, "products", prices the weight products at the model's own
 multiply-adds: a row's last token also goes through the LM head), each fitted to minimise the relative
-error (robust to steps slowed by other work on the machine); the simplest law whose held-out error
-(MAPE over 5 interleaved folds) is within one standard error or 5% of the lowest wins (a recording
-tells its laws apart only on the shapes it ran) and is refitted on every step. A predicted forward time is the law
+error (robust to steps slowed by other work on the machine); the simplest law whose held-out error (MAPE
+over 5 interleaved folds) is within one standard error or 5% of the lowest wins (a recording tells its
+laws apart only on the shapes it ran) and is refitted on every step. A predicted forward time is the law
 times the recording's own ratio of measured to fitted time, split in two (`Slowdown`): a factor per
 number of rows (where the law misfits a batch size), and the machine's load over time, drawn (seeded)
-from the recorded steps nearest the step's start on the virtual clock: a shared machine slows some
-steps many-fold and whole stretches of a run two-fold, queues grow with the mean step, not the typical
-one, and a what-if of an incident keeps the incident's moments of load where they were. The other
-phases (schedule, prepare, sample, update) are fitted linear in the rows. The gap between back-to-back
-steps (the loop's own time: the finished requests handed out, the new arrivals taken in) is a
-`GapLaw` linear in the arrivals and retirements, fitted to the recorded gaps by least squares (their
-mean: a queue grows with the mean gap). A step whose shape lies beyond what the recording saw is
-counted as extrapolated, with how far.
+from the recorded steps nearest the step's start on the virtual clock: a shared machine slows some steps
+many-fold and whole stretches of a run two-fold, queues grow with the mean step, not the typical one,
+and a what-if of an incident keeps the incident's moments of load where they were. The other phases
+(schedule, prepare, sample, update) are fitted linear in the rows. The gap between back-to-back steps
+(the loop's own time: the finished requests handed out, the new arrivals taken in) is a `GapLaw` linear
+in the arrivals and retirements, fitted to the recorded gaps by least squares (their mean: a queue grows
+with the mean gap). A step whose shape lies beyond what the recording saw is counted as extrapolated,
+with how far.
 """
 from __future__ import annotations
 
