@@ -20,4 +20,3 @@ class ModelDims:
     def kv_bytes_per_token(self, dtype) -> int:
         """A token's K and V in every layer's cache, for a torch dtype."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
-

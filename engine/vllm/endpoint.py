@@ -41,15 +41,16 @@ def engine_setup(scheduler) -> dict:
     the engine (engine/vllm/harness.py; the pool with vLLM's null block). A recording's header carries
     it as `engine`, with the model's weight products (the step-time law "products"; none where its config
     is not a Llama's)."""
+    setup = {"num_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+             "block_size": scheduler.block_size, "max_model_len": scheduler.max_model_len,
+             "enable_prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
+             "policy": str(scheduler.scheduler_config.policy),
+             "async_scheduling": isinstance(scheduler, AsyncScheduler)}
     try:
-        macs = {"weight_macs": list(weight_macs(scheduler.vllm_config.model_config.hf_text_config))}
+        setup["weight_macs"] = list(weight_macs(scheduler.vllm_config.model_config.hf_text_config))
     except AttributeError:
-        macs = {}
-    return macs | {"num_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
-            "block_size": scheduler.block_size, "max_model_len": scheduler.max_model_len,
-            "enable_prefix_caching": bool(scheduler.cache_config.enable_prefix_caching),
-            "policy": str(scheduler.scheduler_config.policy),
-            "async_scheduling": isinstance(scheduler, AsyncScheduler)}
+        pass
+    return setup
 
 
 class SideEndpoint(ControlHost):

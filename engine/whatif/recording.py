@@ -4,8 +4,8 @@ The trace: per request its arrival time, prompt length, max_tokens, priority, th
 ended with and how it ended (an abort becomes a time after arrival). The engine: the KV pool, block
 size, policy, layout and batch capacity from the header's `engine` entry (`batchtop record` writes
 it), otherwise the pool from the steps and the engine's defaults for the rest, listed in `assumed`;
-the model's weight products per token and per row through the LM head, where the entry has them (the step-time
-law "products" needs them).
+the model's weight products per token and per row through the LM head, where the entry has them
+(the step-time law "products" needs them).
 Times are seconds since the recording's first event. Anything unusable is a ValueError in one line.
 """
 from __future__ import annotations
@@ -161,6 +161,12 @@ def _trace(path: str, events: list[ev.Event], t0: float) -> list[TraceRequest]:
     return requests
 
 
+def _weight_macs(engine: dict) -> tuple[int, int] | None:
+    """The header's `engine` entry's weight_macs (None in a recording made before it was written)."""
+    macs = engine.get("weight_macs")
+    return tuple(macs) if macs else None
+
+
 def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -> EngineSetup:
     engine = dict(header.get("engine") or {})
     defaults = EngineConfig()
@@ -186,10 +192,9 @@ def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -
     for name in missing:
         knobs[name] = getattr(defaults, name)
         assumed.append(name)
-    macs = engine.get("weight_macs")
     return EngineSetup(values["num_kv_blocks"], values["block_size"], values["policy"], values["layout"],
                        values["batch_capacity"], max_model_len, knobs, tuple(assumed),
-                       weight_macs=tuple(macs) if macs else None)
+                       weight_macs=_weight_macs(engine))
 
 
 # vLLM's scheduler knobs that batchtop's class turns live (engine/vllm/control.py), and the
@@ -217,7 +222,6 @@ def _vllm_setup(header: dict, events: list[ev.Event], requests: list[TraceReques
             assumed.append(name)
         limits[name] = engine.get(name, default)
     limits.update(knobs)
-    macs = engine.get("weight_macs")
     return EngineSetup(limits["num_blocks"] - 1, limits["block_size"], limits["policy"], "vllm",
                        knobs["max_num_seqs"], limits["max_model_len"], knobs, tuple(assumed),
-                       {**limits, "version": vllm_version(header)}, tuple(macs) if macs else None)
+                       {**limits, "version": vllm_version(header)}, _weight_macs(engine))

@@ -78,12 +78,17 @@ def feature_getter(name: str) -> Callable[[StepShape], float]:
     return _num_tokens if name == "num_tokens" else operator.attrgetter(name)
 
 
+def head_share(weight_macs: tuple[int, int]) -> float:
+    """A row through the LM head in tokens through the layers: the head's multiply-adds over a token's."""
+    per_token, per_head_row = weight_macs
+    return per_head_row / per_token
+
+
 def products_getter(weight_macs: tuple[int, int]) -> Callable[[StepShape], float]:
     """The step's weight products in tokens: every token through the layers, and each head row through
-    the LM head at the head's multiply-adds over a token's through the layers."""
-    per_token, per_head_row = weight_macs
-    head_share = per_head_row / per_token
-    return lambda shape: shape.prefill_tokens + shape.decode_rows + head_share * shape.head_rows
+    the LM head at `head_share`."""
+    share = head_share(weight_macs)
+    return lambda shape: shape.prefill_tokens + shape.decode_rows + share * shape.head_rows
 
 
 def design(shapes: list[StepShape], names: tuple[str, ...],
@@ -102,9 +107,8 @@ def priced_per_feature(names: tuple[str, ...], coef: np.ndarray,
     names_out, coef_out = [], [float(coef[0])]
     for name, c in zip(names, coef[1:]):
         if name == PRODUCTS:
-            per_token, per_head_row = weight_macs
             names_out += ["num_tokens", "head_rows"]
-            coef_out += [float(c), float(c) * per_head_row / per_token]
+            coef_out += [float(c), float(c) * head_share(weight_macs)]
         else:
             names_out.append(name)
             coef_out.append(float(c))
