@@ -1,8 +1,8 @@
 """How far a what-if's predictions move with the step time: each point of a finished check (whatif_check
 with --out, whatif_serve, whatif_vllm) predicted again from the same recordings with every fitted
 forward time scaled (0.9x to 1.2x, as `batchtop whatif --step-time` does), beside the measured runs and
-how much slower or faster their steps ran than the recording's at the row counts the recording ran.
-Writes its section of docs/whatif.md.
+how much slower or faster their steps ran than the recording's at the row counts the recording ran, and
+than the law past them. Writes its section of docs/whatif.md.
 
     .venv/bin/python -m batchtop.engine.bench.whatif_sensitivity CHECK.json --write
 
@@ -12,8 +12,11 @@ through vLLM's scheduler in the harness (engine/whatif/vllm_replay.py), as `batc
 
 A real run's step ratio: its decode-only steps' forward time against the recording's at the same row
 count, each over the recording's law at the step's shape (so context and rows are the law's to carry),
-on row counts the recording ran (so the ratio is the machine's, not the law's extrapolation). A step's
-shape is what its identity replay computed.
+on row counts the recording ran (so the ratio is the machine's, not the law's extrapolation). Past the
+recorded rows, the ratio is the law's own error where a what-if extrapolates it (decode-only steps wider
+than any the recording ran, over the law), and each point is predicted again with the forward time at
+that ratio: what is left of the point's error then is not the step time's. A step's shape is what its
+identity replay computed.
 """
 from __future__ import annotations
 
@@ -108,6 +111,15 @@ def decode_ratios(steps: Steps, model: StepTimeModel) -> dict[int, list[float]]:
     return ratios
 
 
+def beyond_ratio(steps: Steps, model: StepTimeModel) -> float | None:
+    """The law's error where a what-if extrapolates it: the median of the decode-only steps' forward time
+    over the law's at their shape, of the steps wider than any the law's recording ran (None: none)."""
+    widest = model.seen["num_rows"]
+    ratios = [done.forward_s / law for shape, done in steps
+              if not shape.prefill_tokens and shape.num_rows > widest and (law := model.forward.predict(shape)) > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def step_ratio(real: dict[int, list[float]], recorded: dict[int, list[float]]) -> float | None:
     """How much longer the real run's decode steps took than the recording's at the same row count and
     context (each over the law at its shape): per row count the ratio of the medians, weighted by the
@@ -132,7 +144,7 @@ def analyse(saved: dict, scales: tuple[float, ...], seeds: int) -> dict:
 
 def analyse_with(pricing, saved: dict, scales: tuple[float, ...], seeds: int) -> dict:
     points = [{"knobs": p["knobs"], "measured": p["measured"], "scaled": {f: [] for f in scales},
-               "step_ratio": []} for p in saved["points"]]
+               "step_ratio": [], "beyond_ratio": [], "at_beyond_ratio": []} for p in saved["points"]]
     for i, summary in enumerate(saved["rounds"], 1):
         path = Path(summary["path"])
         rec = read_recording(str(path))
@@ -143,10 +155,17 @@ def analyse_with(pricing, saved: dict, scales: tuple[float, ...], seeds: int) ->
                 point["scaled"][factor] += [pricing.predict(rec, model, point["knobs"], factor, seed)
                                             for seed in range(seeds)]
             real_path = path.with_name(f"round{i}-{point_name(point['knobs'])}.jsonl")
-            if real_path.exists():
-                ratio = step_ratio(decode_ratios(pricing.steps(read_recording(str(real_path))), model), own)
-                if ratio is not None:
-                    point["step_ratio"].append(ratio)
+            if not real_path.exists():
+                continue
+            real_steps = pricing.steps(read_recording(str(real_path)))
+            ratio = step_ratio(decode_ratios(real_steps, model), own)
+            if ratio is not None:
+                point["step_ratio"].append(ratio)
+            beyond = beyond_ratio(real_steps, model)
+            if beyond is not None:            # the point predicted again with the law off by as much
+                point["beyond_ratio"].append(beyond)
+                point["at_beyond_ratio"] += [pricing.predict(rec, model, point["knobs"], beyond, seed)
+                                             for seed in range(seeds)]
     return {"points": points, "scales": scales, "seeds": seeds}
 
 
@@ -169,20 +188,26 @@ def report(args, saved: dict, result: dict) -> str:
              "median (range) over rounds and seeds. Real step ratio: each real run's decode steps against "
              "its round's recording's at the same row count (those the recording ran at least "
              f"{MIN_RECORDED_STEPS} times), both over the recording's law at each step's shape; median "
-             "(range) over the rounds.", "",
+             "(range) over the rounds. Past the recorded rows: each real run's decode steps wider than "
+             "any its round's recording ran, over the recording's law at each step's shape (the law's "
+             "own error where the what-if extrapolates it); median (range) over the rounds; and the point "
+             "predicted again with every forward time at that ratio (each round at its own run's).", "",
              "| knobs | metric | measured | real step ratio | "
-             + " | ".join(f"predicted at {f:g}x" for f in scales) + " |",
-             "|---|---|---|---|" + "---|" * len(scales)]
+             + " | ".join(f"predicted at {f:g}x" for f in scales)
+             + " | past the recorded rows | predicted at that ratio |",
+             "|---|---|---|---|" + "---|" * len(scales) + "---|---|"]
     for point in result["points"]:
         ratio = median_and_range(point["step_ratio"], ".2f")
+        beyond = median_and_range(point["beyond_ratio"], ".2f")
         for metric, key, fmt, scale in (("preemptions", "preemptions", ".0f", 1),
                                         ("ITL p50 (ms)", "itl_p50_s", ".1f", 1e3),
                                         ("TTFT p50 (ms)", "ttft_p50_s", ".0f", 1e3),
                                         ("output tok/s", "output_tok_s", ".0f", 1)):
             measured = median_and_range([m[key] * scale for m in point["measured"]], fmt)
             predicted = [median_and_range([r[key] * scale for r in point["scaled"][f]], fmt) for f in scales]
+            at_beyond = median_and_range([r[key] * scale for r in point["at_beyond_ratio"]], fmt)
             lines.append(f"| {run_label(point['knobs'])} | {metric} | {measured} | {ratio} | "
-                         + " | ".join(predicted) + " |")
+                         + " | ".join(predicted) + f" | {beyond} | {at_beyond} |")
     return "\n".join(lines)
 
 
