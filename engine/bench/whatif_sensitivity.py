@@ -116,7 +116,8 @@ def beyond_ratio(steps: Steps, model: StepTimeModel) -> float | None:
     over the law's at their shape, of the steps wider than any the law's recording ran (None: none)."""
     widest = model.seen["num_rows"]
     ratios = [done.forward_s / law for shape, done in steps
-              if not shape.prefill_tokens and shape.num_rows > widest and (law := model.forward.predict(shape)) > 0]
+              if not shape.prefill_tokens and shape.num_rows > widest
+              and (law := model.forward.predict(shape)) > 0]
     return statistics.median(ratios) if ratios else None
 
 
