@@ -317,6 +317,12 @@ def vector_unit() -> str:
     return "AVX2" if {"avx2", "fma"} <= flags else ""
 
 
+def product_tile_rows() -> int:
+    """Rows of the packed products' micro-tile on this CPU's build (`vector_unit`): a product of M rows
+    runs ceil(M / this) tiles, each reading its panel of the weights once."""
+    return _load().tile_rows()
+
+
 def products_pay() -> bool:
     """Whether the packed products beat torch's fp32 matmul on this CPU: where its tiles are written for
     the vector unit (docs/kernels.md). Elsewhere the products stay torch's."""

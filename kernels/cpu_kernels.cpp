@@ -824,6 +824,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("packed_linear", &packed_linear, no_gil());
     m.def("packed_linear_blocks", &packed_linear_blocks, no_gil());
     m.def("amx_available", &amx_available);
+    m.def("tile_rows", [] { return TILE_ROWS; });
     m.def("add_rms_norm", &add_rms_norm, no_gil());
     m.def("rope_and_cache", &rope_and_cache, no_gil());
     m.def("silu_mul", &silu_mul, no_gil());

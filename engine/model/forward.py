@@ -131,6 +131,8 @@ class FlatForward:
         ops = FusedCpuOps if fused else TransformersOps
         self.ops = ops(dims.num_heads, dims.num_kv_heads, dims.head_dim)
         packed = fused and (cpu.products_pay() if packed is None else packed)
+        # the step-time law's unit of product work (engine/whatif/steptime.py); None: torch's products
+        self.product_tile_rows = cpu.product_tile_rows() if packed else None
         torch_from_rows = cpu.torch_products_from_rows() if packed else None
         linear = partial(FusedLinear, packed=packed, torch_from_rows=torch_from_rows)
         self.layers = [Layer(layer.input_layernorm,

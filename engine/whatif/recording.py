@@ -56,6 +56,7 @@ class EngineSetup:
     assumed: tuple[str, ...] = ()      # setup fields the recording did not carry
     vllm: dict | None = None           # made inside vLLM: the harness's Limits, and `version` ("0.32")
     weight_macs: tuple[int, int] | None = None   # multiply-adds per token, per head row (weights.py)
+    product_tile_rows: int | None = None         # rows of the engine's product tiles (kernels/cpu.py)
 
     def to_dict(self) -> dict:
         if self.vllm is not None:
@@ -64,7 +65,8 @@ class EngineSetup:
             entry = {"num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
                      "policy": self.policy, "layout": self.layout, "batch_capacity": self.batch_capacity,
                      "max_model_len": self.max_model_len}
-        return entry | ({"weight_macs": list(self.weight_macs)} if self.weight_macs else {})
+        return (entry | ({"weight_macs": list(self.weight_macs)} if self.weight_macs else {})
+                | ({"product_tile_rows": self.product_tile_rows} if self.product_tile_rows else {}))
 
 
 @dataclass
@@ -92,12 +94,16 @@ class Recording:
 
 def engine_header(engine) -> dict:
     """The header's `engine` entry of a running Engine: what a replay of it needs beyond its knobs, and
-    its model's weight products (multiply-adds per token, per LM head row) for the step-time law."""
+    for the step-time law its model's weight products (multiply-adds per token, per LM head row) and,
+    where its products run on the packed CPU kernels, the rows of their tiles."""
     config = engine.config
-    return {"num_kv_blocks": engine.kv.num_blocks, "block_size": config.block_size, "policy": config.policy,
-            "layout": config.layout, "batch_capacity": config.batch_capacity,
-            "max_model_len": engine.max_model_len,
-            "weight_macs": list(weight_macs(engine.loaded.model.config))}
+    entry = {"num_kv_blocks": engine.kv.num_blocks, "block_size": config.block_size, "policy": config.policy,
+             "layout": config.layout, "batch_capacity": config.batch_capacity,
+             "max_model_len": engine.max_model_len,
+             "weight_macs": list(weight_macs(engine.loaded.model.config))}
+    flat = engine.runner.flat_forward
+    tile_rows = flat.product_tile_rows if flat is not None else None
+    return entry | ({"product_tile_rows": tile_rows} if tile_rows else {})
 
 
 def made_inside_vllm(header: dict) -> bool:
@@ -194,7 +200,7 @@ def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -
         assumed.append(name)
     return EngineSetup(values["num_kv_blocks"], values["block_size"], values["policy"], values["layout"],
                        values["batch_capacity"], max_model_len, knobs, tuple(assumed),
-                       weight_macs=_weight_macs(engine))
+                       weight_macs=_weight_macs(engine), product_tile_rows=engine.get("product_tile_rows"))
 
 
 # vLLM's scheduler knobs that batchtop's class turns live (engine/vllm/control.py), and the

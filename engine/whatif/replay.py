@@ -136,7 +136,7 @@ def fit_steps(rec: Recording, identity: Identity) -> StepTimeModel:
         if step in finished:
             shapes.append(shape)
             done.append(finished[step])
-    return fit_model(shapes, done, recorded_gaps(rec), rec.setup.weight_macs)
+    return fit_model(shapes, done, recorded_gaps(rec), rec.setup.weight_macs, rec.setup.product_tile_rows)
 
 
 def recorded_gaps(rec: Recording) -> list[GapSample]:

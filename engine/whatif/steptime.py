@@ -3,7 +3,8 @@
 The forward pass is fitted on what each step computed (`StepShape`: prefill tokens, decode rows, rows
 through the LM head, context tokens read, prefill attention work) by several linear laws with
 non-negative coefficients (one of them, "products", prices the weight products at the model's own
-multiply-adds: a row's last token also goes through the LM head), each fitted to minimise the relative
+multiply-adds: a row's last token also goes through the LM head; where the engine's products run in
+tiles of rows, it is also fitted on rows rounded up to whole tiles), each fitted to minimise the relative
 error (robust to steps slowed by other work on the machine); the simplest law whose held-out error (MAPE
 over 5 interleaved folds) is within one standard error or 5% of the lowest wins (a recording tells its
 laws apart only on the shapes it ran) and is refitted on every step. A predicted forward time is the law
@@ -73,9 +74,18 @@ def _num_tokens(shape: StepShape) -> int:
     return shape.prefill_tokens + shape.decode_rows
 
 
-def feature_getter(name: str) -> Callable[[StepShape], float]:
-    """The feature `name` as a function of the shape (looked up once: a step's hot path calls it)."""
-    return _num_tokens if name == "num_tokens" else operator.attrgetter(name)
+def tiled(n: int, tile_rows: int | None) -> int:
+    """`n` rows rounded up to whole tiles of `tile_rows` (None: `n`)."""
+    return -(-n // tile_rows) * tile_rows if tile_rows else n
+
+
+def feature_getter(name: str, tile_rows: int | None = None) -> Callable[[StepShape], float]:
+    """The feature `name` as a function of the shape (looked up once: a step's hot path calls it); with
+    `tile_rows`, a product's rows (num_tokens, head_rows) rounded up to whole tiles."""
+    get = _num_tokens if name == "num_tokens" else operator.attrgetter(name)
+    if tile_rows and name in ("num_tokens", "head_rows"):
+        return lambda shape: tiled(get(shape), tile_rows)
+    return get
 
 
 def head_share(weight_macs: tuple[int, int]) -> float:
@@ -84,18 +94,20 @@ def head_share(weight_macs: tuple[int, int]) -> float:
     return per_head_row / per_token
 
 
-def products_getter(weight_macs: tuple[int, int]) -> Callable[[StepShape], float]:
+def products_getter(weight_macs: tuple[int, int],
+                    tile_rows: int | None = None) -> Callable[[StepShape], float]:
     """The step's weight products in tokens: every token through the layers, and each head row through
-    the LM head at `head_share`."""
+    the LM head at `head_share`; with `tile_rows`, each product's rows rounded up to whole tiles."""
     share = head_share(weight_macs)
-    return lambda shape: shape.prefill_tokens + shape.decode_rows + share * shape.head_rows
+    tokens, head_rows = feature_getter("num_tokens", tile_rows), feature_getter("head_rows", tile_rows)
+    return lambda shape: tokens(shape) + share * head_rows(shape)
 
 
-def design(shapes: list[StepShape], names: tuple[str, ...],
-           weight_macs: tuple[int, int] | None = None) -> np.ndarray:
+def design(shapes: list[StepShape], names: tuple[str, ...], weight_macs: tuple[int, int] | None = None,
+           tile_rows: int | None = None) -> np.ndarray:
     x = np.ones((len(shapes), len(names) + 1))
     for j, name in enumerate(names):
-        get = products_getter(weight_macs) if name == PRODUCTS else feature_getter(name)
+        get = products_getter(weight_macs, tile_rows) if name == PRODUCTS else feature_getter(name)
         x[:, j + 1] = [get(s) for s in shapes]
     return x
 
@@ -154,6 +166,7 @@ class Law:
     names: tuple[str, ...]
     coef: tuple[float, ...]
     heldout_mape: float
+    tile_rows: int | None = None       # num_tokens and head_rows counted in whole tiles of this many rows
 
     def predict(self, shape: StepShape) -> float:
         # the terms summed left to right from 0, then the intercept: the same sum, term for term, as
@@ -165,44 +178,58 @@ class Law:
 
     @functools.cached_property
     def _terms(self) -> tuple:
-        return tuple((c, feature_getter(n)) for c, n in zip(self.coef[1:], self.names))
+        return tuple((c, feature_getter(n, self.tile_rows)) for c, n in zip(self.coef[1:], self.names))
 
     def describe(self) -> str:
         terms = [f"{self.coef[0] * 1e3:.3g} ms"] + [f"{c * 1e6:.3g} us x {n}"
                                                      for c, n in zip(self.coef[1:], self.names) if c]
-        return " + ".join(terms)
+        tiles = f" (num_tokens and head_rows in whole tiles of {self.tile_rows})" if self.tile_rows else ""
+        return " + ".join(terms) + tiles
 
 
 def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[str, ...]] = LAWS,
-            weight_macs: tuple[int, int] | None = None) -> Law:
+            weight_macs: tuple[int, int] | None = None, tile_rows: int | None = None) -> Law:
     """The simplest law (fewest features; of those alike in size, the first) whose held-out MAPE is within
     one standard error (over the folds) or ALIKE_MAPE_SHARE of the lowest, refitted on every step. Laws
     the recording cannot tell apart may still part where a what-if takes them: a recording at 4 rows on
     an AVX2 host fitted "tokens" at 12.8% and "prefill+log-decode" at 12.7%, and the real runs' forward
     times at 16 rows came out 19% and 44% above them. `weight_macs`: the model's (multiply-adds per
-    token, per LM head row), for the laws with PRODUCTS (none without)."""
+    token, per LM head row), for the laws with PRODUCTS (none without); `tile_rows`: the rows of the
+    engine's product tiles, where its recording names them: a law with PRODUCTS is then fitted on rows
+    in whole tiles too, and the one of the two with the lower held-out MAPE stands for it."""
     if len(shapes) < MIN_STEPS:
         raise ValueError(f"the recording has {len(shapes)} timed steps; fitting step times needs {MIN_STEPS}")
     y = np.asarray(times, dtype=float)
-    fold = np.arange(len(shapes)) % NUM_FOLDS
     fitted: list[tuple[Law, float, int]] = []     # each law, its held-out MAPE's standard error, its size
     for name, names in laws.items():
-        if PRODUCTS in names and weight_macs is None:
-            continue
-        x = design(shapes, names, weight_macs)
-        errors = []
-        for k in range(NUM_FOLDS):
-            train, test = fold != k, fold == k
-            coef = relative_l1_fit(x[train], y[train])
-            errors.append(mape(x[test] @ coef, y[test]))
-        priced = priced_per_feature(names, relative_l1_fit(x, y), weight_macs)
-        law = Law(name, *priced, float(np.mean(errors)))
-        fitted.append((law, float(np.std(errors, ddof=1) / math.sqrt(NUM_FOLDS)), len(names)))
+        if PRODUCTS not in names:
+            fitted.append((*_fit(shapes, y, name, names), len(names)))
+        elif weight_macs is not None:
+            variants = [_fit(shapes, y, name, names, weight_macs, tiles)
+                        for tiles in ((None, tile_rows) if tile_rows else (None,))]
+            fitted.append((*min(variants, key=lambda v: v[0].heldout_mape), len(names)))
     lowest, standard_error, _ = min(fitted, key=lambda f: f[0].heldout_mape)
     tolerance = max(standard_error, ALIKE_MAPE_SHARE * lowest.heldout_mape)
     within = [(size, law) for law, _, size in fitted
               if law.heldout_mape <= lowest.heldout_mape + tolerance + 1e-9]
     return min(within, key=operator.itemgetter(0))[1]
+
+
+def _fit(shapes: list[StepShape], y: np.ndarray, name: str, names: tuple[str, ...],
+         weight_macs: tuple[int, int] | None = None, tile_rows: int | None = None) -> tuple[Law, float]:
+    """One law fitted on every step, its held-out MAPE over NUM_FOLDS interleaved folds, and that MAPE's
+    standard error."""
+    x = design(shapes, names, weight_macs, tile_rows)
+    fold = np.arange(len(shapes)) % NUM_FOLDS
+    errors = []
+    for k in range(NUM_FOLDS):
+        train, test = fold != k, fold == k
+        coef = relative_l1_fit(x[train], y[train])
+        errors.append(mape(x[test] @ coef, y[test]))
+    priced = priced_per_feature(names, relative_l1_fit(x, y), weight_macs)
+    label = f"{name} in tiles of {tile_rows}" if tile_rows else name
+    law = Law(label, *priced, float(np.mean(errors)), tile_rows)
+    return law, float(np.std(errors, ddof=1) / math.sqrt(NUM_FOLDS))
 
 
 @dataclass(frozen=True)
@@ -341,12 +368,12 @@ class StepTimeModel:
         return "extrapolated: " + "; ".join(parts) if parts else None
 
 
-
 def fit_model(shapes: list[StepShape], finished: list, gaps: list[GapSample],
-              weight_macs: tuple[int, int] | None = None) -> StepTimeModel:
+              weight_macs: tuple[int, int] | None = None, tile_rows: int | None = None) -> StepTimeModel:
     """`shapes[i]` is what recorded step `finished[i]` (its StepFinished) computed; `gaps`: the recorded
-    gaps between back-to-back steps; `weight_macs`: the model's, where the recording names them."""
-    forward = fit_law(shapes, [e.forward_s for e in finished], weight_macs=weight_macs)
+    gaps between back-to-back steps; `weight_macs` and `tile_rows`: the model's and the engine's, where
+    the recording names them."""
+    forward = fit_law(shapes, [e.forward_s for e in finished], weight_macs=weight_macs, tile_rows=tile_rows)
     rows = design(shapes, ("num_rows",))
     overhead = {}
     for phase in OVERHEAD_PHASES:

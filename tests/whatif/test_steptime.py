@@ -9,8 +9,9 @@ from whatif_helpers import linear_law, synthetic_recording
 
 from batchtop.engine.whatif.grid import predict, run_of
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
-from batchtop.engine.whatif.steptime import LAWS, PRODUCTS, ROWS_PRIOR_STEPS, fit_law, fit_slowdown
+from batchtop.engine.whatif.steptime import LAWS, PRODUCTS, ROWS_PRIOR_STEPS, fit_law, fit_slowdown, tiled
 from batchtop.engine.whatif.virtual import StepShape
+from batchtop.kernels import cpu
 from batchtop.telemetry.weights import weight_macs
 
 
@@ -154,12 +155,52 @@ def test_a_head_row_priced_at_the_model_s_head_share_extrapolates_to_more_rows()
     assert fit_law(shapes, times, {"tokens": LAWS["tokens"]}).predict(sixteen) < 0.9 * truth
 
 
+def test_products_in_whole_tiles_price_the_step_a_row_past_a_tile_begins():
+    """A recording at 4 rows of an engine whose products run in tiles of 4 rows, a tile costing its
+    weights' pass whatever rows it holds (this AVX2 host's kernels: a 4-row decode step 18 ms, a 5-row
+    one 26): 4 ms + 1.75 ms a token and 0.47 ms a head row, both counted in whole tiles. The recording's
+    prompt steps show the staircase, so the law fitted in tiles wins on held-out error and prices
+    decode steps of 5 to 32 rows within 3%; fitted on rows as they are, "products" prices a step one
+    row into a new tile (5, 9, 13 rows) more than 10% short."""
+    per_token, per_head_row = 106_168_320, 28_311_552
+
+    def forward_ms(shape):
+        tokens = tiled(shape.prefill_tokens + shape.decode_rows, 4)
+        return 4 + 1.75 * (tokens + per_head_row / per_token * tiled(shape.head_rows, 4))
+
+    rng = random.Random(7)
+    shapes, times = [], []
+    for _ in range(600):
+        if rng.random() < 0.1:
+            prompt, decode = rng.randint(5, 60), rng.randint(0, 3)
+            shape = StepShape(decode + 1, prompt, decode, decode + 1, 200, prompt * prompt // 2)
+        else:
+            rows = 4 if rng.random() < 0.9 else rng.randint(1, 3)
+            shape = StepShape(rows, 0, rows, rows, 100 * rows, 0)
+        shapes.append(shape)
+        times.append(forward_ms(shape) * 1e-3 * (1 + rng.uniform(-0.1, 0.1)))
+    law = fit_law(shapes, times, weight_macs=(per_token, per_head_row), tile_rows=4)
+    plain = fit_law(shapes, times, {"products": LAWS["products"]}, weight_macs=(per_token, per_head_row))
+    assert (law.name, law.tile_rows, plain.tile_rows) == ("products in tiles of 4", 4, None)
+    assert law.heldout_mape < plain.heldout_mape
+    for rows in (5, 8, 9, 13, 16, 32):
+        decode = StepShape(rows, 0, rows, rows, 100 * rows, 0)
+        assert law.predict(decode) == pytest.approx(forward_ms(decode) * 1e-3, rel=0.03), rows
+        if rows % 4 == 1:
+            assert plain.predict(decode) < 0.9 * forward_ms(decode) * 1e-3, rows
+    assert "in whole tiles of 4" in law.describe()
+
+
 def test_a_recording_names_its_model_s_weight_products_and_each_step_its_head_rows(recording, tiny):
     """The header's engine entry carries the tiny model's multiply-adds (73,728 a token through its layers,
     3,145,728 a sampled row through its head); each replayed step counts the rows that sampled, which are
     the recorded step's sampled requests; the fit then weighs "products" among its laws."""
     assert recording.setup.weight_macs == weight_macs(tiny.model.config) == (73_728, 3_145_728)
     assert recording.setup.to_dict()["weight_macs"] == [73_728, 3_145_728]
+    # and, where the engine's products run on the packed kernels, the rows of their tiles
+    tile_rows = cpu.product_tile_rows() if cpu.products_pay() else None
+    assert recording.setup.product_tile_rows == tile_rows
+    assert recording.setup.to_dict().get("product_tile_rows") == tile_rows
     identity = replay_identity(recording)
     sampled = {e.step: len(e.sampled_request_ids) for e in recording.steps}
     steps = [e.step for e in recording.steps]
