@@ -100,24 +100,32 @@ def test_steps_at_a_row_count_the_recording_ran_a_handful_of_times_are_flagged(s
     assert 1.0 < fit_slowdown(shapes, measured, model.forward).by_rows[2] < 1.2
 
 
+def four_row_steps(forward_ms, seed: int, noise: float = 0.1, shortest_prompt: int = 8):
+    """A recording at 4 rows: one step in ten a prompt of `shortest_prompt` to 60 tokens beside 0 to 3
+    decode rows, the rest decode steps of 4 rows (one in ten of 1 to 3); each step's forward time
+    `forward_ms(shape)`, +-`noise`. Its shapes and times."""
+    rng = random.Random(seed)
+    shapes, times = [], []
+    for _ in range(600):
+        if rng.random() < 0.1:
+            prompt, decode = rng.randint(shortest_prompt, 60), rng.randint(0, 3)
+            shape = StepShape(decode + 1, prompt, decode, decode + 1, 200, prompt * prompt // 2)
+        else:
+            rows = 4 if rng.random() < 0.9 else rng.randint(1, 3)
+            shape = StepShape(rows, 0, rows, rows, 100 * rows, 0)
+        shapes.append(shape)
+        times.append(forward_ms(shape) * 1e-3 * (1 + rng.uniform(-noise, noise)))
+    return shapes, times
+
+
 def test_of_laws_the_recording_cannot_tell_apart_the_simplest_is_chosen():
     """A recording at 4 rows on a CPU whose products are compute-bound: prefill steps cost 10 ms + 2.2 ms a
     token, decode steps 13, 15, 17.5 and 19.5 ms at 1 to 4 rows (mostly 4), +-15% noise. Every law fits
     them within a standard error of the lowest held-out error, which is not the one-feature law's; that
     law ("tokens") is chosen, and prices a 16-row decode step as the products do (45 ms)."""
-    rng = random.Random(3)
     decode_ms = {1: 13.0, 2: 15.0, 3: 17.5, 4: 19.5}
-    shapes, times = [], []
-    for _ in range(600):
-        if rng.random() < 0.1:
-            prompt, decode = rng.randint(8, 60), rng.randint(0, 3)
-            shapes.append(StepShape(decode + 1, prompt, decode, decode + 1, 200, prompt * prompt // 2))
-            ms = 10 + 2.2 * (prompt + decode)
-        else:
-            rows = 4 if rng.random() < 0.9 else rng.randint(1, 3)
-            shapes.append(StepShape(rows, 0, rows, rows, 100 * rows, 0))
-            ms = decode_ms[rows]
-        times.append(ms * 1e-3 * (1 + rng.uniform(-0.15, 0.15)))
+    shapes, times = four_row_steps(lambda shape: 10 + 2.2 * (shape.prefill_tokens + shape.decode_rows)
+                                   if shape.prefill_tokens else decode_ms[shape.num_rows], seed=3, noise=0.15)
     law = fit_law(shapes, times)                  # no weight_macs: the laws without PRODUCTS
     lowest = min((fit_law(shapes, times, {name: names}) for name, names in LAWS.items()
                   if PRODUCTS not in names), key=lambda fitted: fitted.heldout_mape)
@@ -133,19 +141,8 @@ def test_a_head_row_priced_at_the_model_s_head_share_extrapolates_to_more_rows()
     price; "products" takes it from the model and prices a 16-row decode step within 3%, where "tokens"
     (one price for a prompt token and a decode row) falls more than 10% short."""
     per_token, per_head_row = 106_168_320, 28_311_552
-    rng = random.Random(5)
-    shapes, times = [], []
-    for _ in range(600):
-        if rng.random() < 0.1:
-            prompt, decode = rng.randint(8, 60), rng.randint(0, 3)
-            shape = StepShape(decode + 1, prompt, decode, decode + 1, 200, prompt * prompt // 2)
-        else:
-            rows = 4 if rng.random() < 0.9 else rng.randint(1, 3)
-            shape = StepShape(rows, 0, rows, rows, 100 * rows, 0)
-        shapes.append(shape)
-        tokens = shape.prefill_tokens + shape.decode_rows
-        times.append((10 + 1.75 * tokens + 1.75 * per_head_row / per_token * shape.head_rows) * 1e-3
-                     * (1 + rng.uniform(-0.1, 0.1)))
+    shapes, times = four_row_steps(lambda shape: 10 + 1.75 * (shape.prefill_tokens + shape.decode_rows)
+                                   + 1.75 * per_head_row / per_token * shape.head_rows, seed=5)
     law = fit_law(shapes, times, weight_macs=(per_token, per_head_row))
     assert law.name == "products" and law.names == ("num_tokens", "head_rows")
     assert law.coef[2] == pytest.approx(law.coef[1] * per_head_row / per_token)
@@ -168,17 +165,7 @@ def test_products_in_whole_tiles_price_the_step_a_row_past_a_tile_begins():
         tokens = tiled(shape.prefill_tokens + shape.decode_rows, 4)
         return 4 + 1.75 * (tokens + per_head_row / per_token * tiled(shape.head_rows, 4))
 
-    rng = random.Random(7)
-    shapes, times = [], []
-    for _ in range(600):
-        if rng.random() < 0.1:
-            prompt, decode = rng.randint(5, 60), rng.randint(0, 3)
-            shape = StepShape(decode + 1, prompt, decode, decode + 1, 200, prompt * prompt // 2)
-        else:
-            rows = 4 if rng.random() < 0.9 else rng.randint(1, 3)
-            shape = StepShape(rows, 0, rows, rows, 100 * rows, 0)
-        shapes.append(shape)
-        times.append(forward_ms(shape) * 1e-3 * (1 + rng.uniform(-0.1, 0.1)))
+    shapes, times = four_row_steps(forward_ms, seed=7, shortest_prompt=5)
     law = fit_law(shapes, times, weight_macs=(per_token, per_head_row), tile_rows=4)
     plain = fit_law(shapes, times, {"products": LAWS["products"]}, weight_macs=(per_token, per_head_row))
     assert (law.name, law.tile_rows, plain.tile_rows) == ("products in tiles of 4", 4, None)
