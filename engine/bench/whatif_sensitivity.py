@@ -98,12 +98,10 @@ def batchtop_steps(rec: Recording, identity: Identity) -> Steps:
 
 
 def decode_ratios(steps: Steps, model: StepTimeModel) -> dict[int, list[float]]:
-    """Each decode-only step's forward time over the law's at its shape, by its row count (those the
-    law's recording ran)."""
-    widest = model.seen["num_rows"]
+    """Each decode-only step's forward time over the law's at its shape, by its row count."""
     ratios: dict[int, list[float]] = {}
     for shape, done in steps:
-        if shape.prefill_tokens or shape.num_rows > widest:
+        if shape.prefill_tokens:
             continue
         law = model.forward.predict(shape)
         if law > 0:
@@ -111,14 +109,11 @@ def decode_ratios(steps: Steps, model: StepTimeModel) -> dict[int, list[float]]:
     return ratios
 
 
-def beyond_ratio(steps: Steps, model: StepTimeModel) -> float | None:
-    """The law's error where a what-if extrapolates it: the median of the decode-only steps' forward time
-    over the law's at their shape, of the steps wider than any the law's recording ran (None: none)."""
-    widest = model.seen["num_rows"]
-    ratios = [done.forward_s / law for shape, done in steps
-              if not shape.prefill_tokens and shape.num_rows > widest
-              and (law := model.forward.predict(shape)) > 0]
-    return statistics.median(ratios) if ratios else None
+def beyond_ratio(ratios: dict[int, list[float]], widest: int) -> float | None:
+    """The law's error where a what-if extrapolates it: the median of `decode_ratios` over the steps
+    wider than any the law's recording ran (`widest` rows; None: none)."""
+    wider = [r for rows, values in ratios.items() if rows > widest for r in values]
+    return statistics.median(wider) if wider else None
 
 
 def step_ratio(real: dict[int, list[float]], recorded: dict[int, list[float]]) -> float | None:
@@ -158,11 +153,11 @@ def analyse_with(pricing, saved: dict, scales: tuple[float, ...], seeds: int) ->
             real_path = path.with_name(f"round{i}-{point_name(point['knobs'])}.jsonl")
             if not real_path.exists():
                 continue
-            real_steps = pricing.steps(read_recording(str(real_path)))
-            ratio = step_ratio(decode_ratios(real_steps, model), own)
+            real = decode_ratios(pricing.steps(read_recording(str(real_path))), model)
+            ratio = step_ratio(real, own)
             if ratio is not None:
                 point["step_ratio"].append(ratio)
-            beyond = beyond_ratio(real_steps, model)
+            beyond = beyond_ratio(real, model.seen["num_rows"])
             if beyond is not None:            # the point predicted again with the law off by as much
                 point["beyond_ratio"].append(beyond)
                 point["at_beyond_ratio"] += [pricing.predict(rec, model, point["knobs"], beyond, seed)

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from whatif_helpers import linear_law, synthetic_recording
 
-from batchtop.engine.bench.whatif_sensitivity import batchtop_steps, beyond_ratio
+from batchtop.engine.bench.whatif_sensitivity import batchtop_steps, beyond_ratio, decode_ratios
 from batchtop.engine.whatif.grid import prepare
 from batchtop.engine.whatif.replay import replay_identity
 
@@ -26,6 +26,7 @@ def test_the_ratio_past_the_recorded_rows_is_the_law_s_error_on_the_wider_steps_
     decode_rows = [s.num_rows for s, _ in steps if not s.prefill_tokens]
     # wider decode steps ran, and more narrower ones (at the law's own time), left out
     assert 0 < sum(rows > 4 for rows in decode_rows) < sum(rows <= 4 for rows in decode_rows)
-    assert beyond_ratio(steps, model) == pytest.approx(1.25, rel=0.03)
+    assert beyond_ratio(decode_ratios(steps, model), 4) == pytest.approx(1.25, rel=0.03)
     same = synthetic_recording(slower_past_four_rows, num_requests=150, max_num_seqs=4)
-    assert beyond_ratio(batchtop_steps(same, replay_identity(same)), model) is None   # none wider: no ratio
+    same_ratios = decode_ratios(batchtop_steps(same, replay_identity(same)), model)
+    assert beyond_ratio(same_ratios, 4) is None                             # none wider: no ratio
