@@ -145,6 +145,16 @@ def section(args) -> str:
     return SECTION + (f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else "")
 
 
+def control_words(args) -> str:
+    """The recorded value among the points is the check's control: predicted at the shapes the law was
+    fitted on, its error is what the machine drifted between a recording and its real runs."""
+    if str(args.recorded) not in args.values.split(","):
+        return ""
+    return (f" max_num_seqs={args.recorded}, the recorded value run again, is the control: its error is "
+            "the law's at the shapes it was fitted on and the machine's drift from the recording to the real "
+            "runs.")
+
+
 def report(args, saved: dict) -> str:
     rounds, results = saved["rounds"], saved["points"]
     pool = f", a pool of {args.num_kv_blocks} blocks of 16 tokens" if args.num_kv_blocks else ""
@@ -167,7 +177,7 @@ def report(args, saved: dict) -> str:
              "predicted from that recording by batchtop's scheduler on a virtual clock (as `batchtop "
              "whatif REC --set max_num_seqs=...` does), then each point launched and run once for real "
              "(the points in alternating order from round to round). Measured TTFT, ITL and throughput "
-             "are the client's, preemptions the server's events.", "",
+             "are the client's, preemptions the server's events." + control_words(args), "",
              *repredicted_words(saved), "The recordings:", "",
              *recordings_table(rounds), "", http_path_words(rounds), "",
              *comparison_table(with_http_path(results, rounds)), "", *server_table(results)]
