@@ -3,21 +3,21 @@
 The forward pass is fitted on what each step computed (`StepShape`: prefill tokens, decode rows, rows
 through the LM head, context tokens read, prefill attention work) by several linear laws with
 non-negative coefficients (one of them, "products", prices the weight products at the model's own
-multiply-adds: a row's last token also goes through the LM head; where the engine's products run in
-tiles of rows, it is also fitted on rows rounded up to whole tiles), each fitted to minimise the relative
-error (robust to steps slowed by other work on the machine); the simplest law whose held-out error (MAPE
-over 5 interleaved folds) is within one standard error or 5% of the lowest wins (a recording tells its
-laws apart only on the shapes it ran) and is refitted on every step. A predicted forward time is the law
-times the recording's own ratio of measured to fitted time, split in two (`Slowdown`): a factor per
-number of rows (where the law misfits a batch size), and the machine's load over time, drawn (seeded)
-from the recorded steps nearest the step's start on the virtual clock: a shared machine slows some steps
-many-fold and whole stretches of a run two-fold, queues grow with the mean step, not the typical one,
-and a what-if of an incident keeps the incident's moments of load where they were. The other phases
-(schedule, prepare, sample, update) are fitted linear in the rows. The gap between back-to-back steps
-(the loop's own time: the finished requests handed out, the new arrivals taken in) is a `GapLaw` linear
-in the arrivals and retirements, fitted to the recorded gaps by least squares (their mean: a queue grows
-with the mean gap). A step whose shape lies beyond what the recording saw is counted as extrapolated,
-with how far.
+multiply-adds: a row's last token also goes through the LM head; where the engine's products run in tiles
+of rows, it is also fitted with a price per tile beside the price per row), each fitted to minimise the
+relative error (robust to steps slowed by other work on the machine); the simplest law whose held-out
+error (MAPE over 5 interleaved folds) is within one standard error or 5% of the lowest wins (a recording
+tells its laws apart only on the shapes it ran) and is refitted on every step. A predicted forward time
+is the law times the recording's own ratio of measured to fitted time, split in two (`Slowdown`): a
+factor per number of rows (where the law misfits a batch size), and the machine's load over time, drawn
+(seeded) from the recorded steps nearest the step's start on the virtual clock: a shared machine slows
+some steps many-fold and whole stretches of a run two-fold, queues grow with the mean step, not the
+typical one, and a what-if of an incident keeps the incident's moments of load where they were. The other
+phases (schedule, prepare, sample, update) are fitted linear in the rows. The gap between back-to-back
+steps (the loop's own time: the finished requests handed out, the new arrivals taken in) is a `GapLaw`
+linear in the arrivals and retirements, fitted to the recorded gaps by least squares (their mean: a queue
+grows with the mean gap). A step whose shape lies beyond what the recording saw is counted as
+extrapolated, with how far.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from batchtop.telemetry.slowdown import Slowdown
 from .virtual import PhaseTimes, StepShape
 
 PRODUCTS = "products"   # a law's feature: the weight products' multiply-adds, in tokens (`products_getter`)
+IN_TILES = "_in_tiles"  # a feature's rows rounded up to whole tiles of the engine's products (`tiled`)
 
 # name: the StepShape features of a law (an intercept always); a law with PRODUCTS is fitted only where
 # the recording names its model's multiply-adds, and comes first: of laws alike in size it is preferred
@@ -80,10 +81,12 @@ def tiled(n: int, tile_rows: int | None) -> int:
 
 
 def feature_getter(name: str, tile_rows: int | None = None) -> Callable[[StepShape], float]:
-    """The feature `name` as a function of the shape (looked up once: a step's hot path calls it); with
-    `tile_rows`, a product's rows (num_tokens, head_rows) rounded up to whole tiles."""
-    get = _num_tokens if name == "num_tokens" else operator.attrgetter(name)
-    if tile_rows and name in ("num_tokens", "head_rows"):
+    """The feature `name` as a function of the shape (looked up once: a step's hot path calls it); a
+    name ending in IN_TILES (num_tokens_in_tiles, head_rows_in_tiles) is its rows in whole tiles of
+    `tile_rows`."""
+    base = name.removesuffix(IN_TILES)
+    get = _num_tokens if base == "num_tokens" else operator.attrgetter(base)
+    if base != name:
         return lambda shape: tiled(get(shape), tile_rows)
     return get
 
@@ -94,12 +97,13 @@ def head_share(weight_macs: tuple[int, int]) -> float:
     return per_head_row / per_token
 
 
-def products_getter(weight_macs: tuple[int, int],
+def products_getter(weight_macs: tuple[int, int], in_tiles: str = "",
                     tile_rows: int | None = None) -> Callable[[StepShape], float]:
     """The step's weight products in tokens: every token through the layers, and each head row through
-    the LM head at `head_share`; with `tile_rows`, each product's rows rounded up to whole tiles."""
+    the LM head at `head_share`; `in_tiles` (IN_TILES): each product's rows in whole tiles of `tile_rows`."""
     share = head_share(weight_macs)
-    tokens, head_rows = feature_getter("num_tokens", tile_rows), feature_getter("head_rows", tile_rows)
+    tokens = feature_getter("num_tokens" + in_tiles, tile_rows)
+    head_rows = feature_getter("head_rows" + in_tiles, tile_rows)
     return lambda shape: tokens(shape) + share * head_rows(shape)
 
 
@@ -107,19 +111,23 @@ def design(shapes: list[StepShape], names: tuple[str, ...], weight_macs: tuple[i
            tile_rows: int | None = None) -> np.ndarray:
     x = np.ones((len(shapes), len(names) + 1))
     for j, name in enumerate(names):
-        get = products_getter(weight_macs, tile_rows) if name == PRODUCTS else feature_getter(name)
+        if name.removesuffix(IN_TILES) == PRODUCTS:
+            get = products_getter(weight_macs, name.removeprefix(PRODUCTS), tile_rows)
+        else:
+            get = feature_getter(name, tile_rows)
         x[:, j + 1] = [get(s) for s in shapes]
     return x
 
 
 def priced_per_feature(names: tuple[str, ...], coef: np.ndarray,
                        weight_macs: tuple[int, int] | None) -> tuple:
-    """A fitted law's features and coefficients (the intercept first) with PRODUCTS priced as its two
-    StepShape features: a price per token and one per head row."""
+    """A fitted law's features and coefficients (the intercept first) with PRODUCTS (and PRODUCTS in
+    tiles) priced as its two StepShape features: a price per token and one per head row."""
     names_out, coef_out = [], [float(coef[0])]
     for name, c in zip(names, coef[1:]):
-        if name == PRODUCTS:
-            names_out += ["num_tokens", "head_rows"]
+        if name.removesuffix(IN_TILES) == PRODUCTS:
+            in_tiles = name.removeprefix(PRODUCTS)
+            names_out += ["num_tokens" + in_tiles, "head_rows" + in_tiles]
             coef_out += [float(c), float(c) * head_share(weight_macs)]
         else:
             names_out.append(name)
@@ -166,7 +174,7 @@ class Law:
     names: tuple[str, ...]
     coef: tuple[float, ...]
     heldout_mape: float
-    tile_rows: int | None = None       # num_tokens and head_rows counted in whole tiles of this many rows
+    tile_rows: int | None = None       # the rows of a tile, for the features IN_TILES
 
     def predict(self, shape: StepShape) -> float:
         # the terms summed left to right from 0, then the intercept: the same sum, term for term, as
@@ -181,10 +189,10 @@ class Law:
         return tuple((c, feature_getter(n, self.tile_rows)) for c, n in zip(self.coef[1:], self.names))
 
     def describe(self) -> str:
-        terms = [f"{self.coef[0] * 1e3:.3g} ms"] + [f"{c * 1e6:.3g} us x {n}"
-                                                     for c, n in zip(self.coef[1:], self.names) if c]
-        tiles = f" (num_tokens and head_rows in whole tiles of {self.tile_rows})" if self.tile_rows else ""
-        return " + ".join(terms) + tiles
+        in_tiles = f" in tiles of {self.tile_rows}"
+        terms = [f"{c * 1e6:.3g} us x {name.replace(IN_TILES, in_tiles)}"
+                 for c, name in zip(self.coef[1:], self.names) if c]
+        return " + ".join([f"{self.coef[0] * 1e3:.3g} ms", *terms])
 
 
 def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[str, ...]] = LAWS,
@@ -195,8 +203,10 @@ def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[s
     an AVX2 host fitted "tokens" at 12.8% and "prefill+log-decode" at 12.7%, and the real runs' forward
     times at 16 rows came out 19% and 44% above them. `weight_macs`: the model's (multiply-adds per
     token, per LM head row), for the laws with PRODUCTS (none without); `tile_rows`: the rows of the
-    engine's product tiles, where its recording names them: a law with PRODUCTS is then fitted on rows
-    in whole tiles too, and the one of the two with the lower held-out MAPE stands for it."""
+    engine's product tiles, where its recording names them: a law with PRODUCTS is then fitted a second
+    time with a price per tile (the tile's pass over its panel of the weights, whatever rows it holds)
+    beside the price per row (their multiply-adds), and the one of the two with the lower held-out MAPE
+    stands for it."""
     if len(shapes) < MIN_STEPS:
         raise ValueError(f"the recording has {len(shapes)} timed steps; fitting step times needs {MIN_STEPS}")
     y = np.asarray(times, dtype=float)
@@ -205,8 +215,10 @@ def fit_law(shapes: list[StepShape], times: list[float], laws: dict[str, tuple[s
         if PRODUCTS not in names:
             fitted.append((*_fit(shapes, y, name, names), len(names)))
         elif weight_macs is not None:
-            variants = [_fit(shapes, y, name, names, weight_macs, tiles)
-                        for tiles in ((None, tile_rows) if tile_rows else (None,))]
+            variants = [_fit(shapes, y, name, names, weight_macs)]
+            if tile_rows:
+                variants.append(_fit(shapes, y, f"{name} per tile of {tile_rows} and per row",
+                                     (PRODUCTS + IN_TILES, *names), weight_macs, tile_rows))
             fitted.append((*min(variants, key=lambda v: v[0].heldout_mape), len(names)))
     lowest, standard_error, _ = min(fitted, key=lambda f: f[0].heldout_mape)
     tolerance = max(standard_error, ALIKE_MAPE_SHARE * lowest.heldout_mape)
@@ -227,8 +239,7 @@ def _fit(shapes: list[StepShape], y: np.ndarray, name: str, names: tuple[str, ..
         coef = relative_l1_fit(x[train], y[train])
         errors.append(mape(x[test] @ coef, y[test]))
     priced = priced_per_feature(names, relative_l1_fit(x, y), weight_macs)
-    label = f"{name} in tiles of {tile_rows}" if tile_rows else name
-    law = Law(label, *priced, float(np.mean(errors)), tile_rows)
+    law = Law(name, *priced, float(np.mean(errors)), tile_rows)
     return law, float(np.std(errors, ddof=1) / math.sqrt(NUM_FOLDS))
 
 
