@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = trace_of(args)
     requests = trace_requests(trace, args.seed)
     load = LoadWatch()
-    points = [{"max_num_seqs": int(v)} for v in args.values.split(",") if v]
+    points = [{"max_num_seqs": value} for value in point_values(args)]
     points.append({"max_num_batched_tokens": args.budget})
     saved = {"section": section(args), "started": time.time(), "commit": commit(), "args": check_args(args),
              "kernels": kernels_words(),
@@ -145,10 +145,15 @@ def section(args) -> str:
     return SECTION + (f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else "")
 
 
+def point_values(args) -> list[int]:
+    """The max_num_seqs values the check runs (`--values`)."""
+    return [int(v) for v in args.values.split(",") if v]
+
+
 def control_words(args) -> str:
     """The recorded value among the points is the check's control: predicted at the shapes the law was
     fitted on, its error is what the machine drifted between a recording and its real runs."""
-    if str(args.recorded) not in args.values.split(","):
+    if args.recorded not in point_values(args):
         return ""
     return (f" max_num_seqs={args.recorded}, the recorded value run again, is the control: its error is "
             "the law's at the shapes it was fitted on and the machine's drift from the recording to the real "

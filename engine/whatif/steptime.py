@@ -107,12 +107,20 @@ def products_getter(weight_macs: tuple[int, int], in_tiles: str = "",
     return lambda shape: tokens(shape) + share * head_rows(shape)
 
 
+def products_in_tiles(name: str) -> str | None:
+    """For a law's PRODUCTS feature, "" (rows as they are) or IN_TILES (rows in whole tiles); None for any
+    other feature."""
+    if name.removesuffix(IN_TILES) != PRODUCTS:
+        return None
+    return name.removeprefix(PRODUCTS)
+
+
 def design(shapes: list[StepShape], names: tuple[str, ...], weight_macs: tuple[int, int] | None = None,
            tile_rows: int | None = None) -> np.ndarray:
     x = np.ones((len(shapes), len(names) + 1))
     for j, name in enumerate(names):
-        if name.removesuffix(IN_TILES) == PRODUCTS:
-            get = products_getter(weight_macs, name.removeprefix(PRODUCTS), tile_rows)
+        if (in_tiles := products_in_tiles(name)) is not None:
+            get = products_getter(weight_macs, in_tiles, tile_rows)
         else:
             get = feature_getter(name, tile_rows)
         x[:, j + 1] = [get(s) for s in shapes]
@@ -125,8 +133,7 @@ def priced_per_feature(names: tuple[str, ...], coef: np.ndarray,
     tiles) priced as its two StepShape features: a price per token and one per head row."""
     names_out, coef_out = [], [float(coef[0])]
     for name, c in zip(names, coef[1:]):
-        if name.removesuffix(IN_TILES) == PRODUCTS:
-            in_tiles = name.removeprefix(PRODUCTS)
+        if (in_tiles := products_in_tiles(name)) is not None:
             names_out += ["num_tokens" + in_tiles, "head_rows" + in_tiles]
             coef_out += [float(c), float(c) * head_share(weight_macs)]
         else:
