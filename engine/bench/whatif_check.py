@@ -310,7 +310,25 @@ def comparison_table(results: list[dict]) -> list[str]:
                          f"{_fmt_share(m_spread)} | "
                          f"{'-' if err is None else f'{err:+.0%}'} | {verdict(err, m_spread, target)} | "
                          f"{target:.0%} |")
-    return lines
+    return lines + ["", *caveat_lines(results)]
+
+
+def caveat_lines(results: list[dict]) -> list[str]:
+    """Each point's predictions the what-if marked "extrapolated" (steps beyond the recorded shapes, or at
+    row counts the recording ran seldom or at few moments), with the first such round's words."""
+    lines = []
+    for point in results:
+        flagged = [(k, row["extrapolated"]) for k, row in enumerate(point["predicted"], 1)
+                   if row.get("extrapolated")]
+        if flagged:
+            knobs = ", ".join(f"{k}={v}" for k, v in point["knobs"].items())
+            rounds = ", ".join(str(k) for k, _ in flagged)
+            lines.append(f"- {knobs} (round {rounds} of {len(point['predicted'])}): round {flagged[0][0]}: "
+                         f"{flagged[0][1]}")
+    if not lines:
+        return ["No prediction was marked extrapolated: every point ran within its recording's shapes, at "
+                "row counts the recording ran often and at many moments."]
+    return ["The what-if's own caveats, as it printed them beside each prediction:", "", *lines]
 
 
 def format_value(value, key: str) -> str:

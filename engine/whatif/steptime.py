@@ -60,6 +60,13 @@ LAWS: dict[str, tuple[str, ...]] = {
 # recording at max_num_seqs=4 gave factors of 0.75 to 1.24 from round to round, each carried into every
 # 2-row step of a what-if at max_num_seqs=2
 ROWS_PRIOR_STEPS = 20
+# a row count the recording ran only at a few moments is timed by those moments' load: a recording at 4
+# rows under a queue runs 1 to 3 rows only as it fills and drains (the serve check's: 21-25 steps of 2
+# rows, all in the drain's last half second, a slow moment in two rounds of three); a row count whose
+# steps lie in fewer than ROWS_MIN_PARTS of the run's RUN_PARTS equal parts of its time is flagged, as
+# one of fewer than ROWS_PRIOR_STEPS steps is
+RUN_PARTS = 20
+ROWS_MIN_PARTS = 3
 LOAD_SMOOTH_STEPS = 25           # the machine's load at a step: the mean ratio of this many steps either side
 EXTRAPOLATION_MARGIN = 1.1        # a feature up to 10% beyond the recorded maximum still counts as seen
 NUM_FOLDS = 5
@@ -316,11 +323,12 @@ class StepTimeModel:
     seen: dict[str, float]                       # the recorded maximum of each feature
     seed: int = 0
     rows_recorded: dict[int, int] = field(default_factory=dict)  # recorded steps of each row count
+    rows_parts: dict[int, int] = field(default_factory=dict)     # of the run's RUN_PARTS, those it ran in
     num_predicted: int = 0
     num_extrapolated: int = 0
     max_beyond: dict[str, float] = field(default_factory=dict)   # feature: the largest ratio to `seen`
-    num_rare_rows: int = 0                       # steps at a row count recorded < ROWS_PRIOR_STEPS times
-    rare_rows: dict[int, int] = field(default_factory=dict)      # such a row count: its recorded steps
+    num_rare_rows: int = 0                       # steps at a row count recorded seldom or at few moments
+    rare_rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # such a row count: (steps, parts)
     forward_scale: float = 1.0                   # the forward times priced at this multiple of the fit's
     _rng: random.Random = field(init=False, repr=False)
     _overheads: tuple = field(init=False, repr=False)          # OVERHEAD_PHASES' (intercept, per row)
@@ -360,29 +368,33 @@ class StepTimeModel:
                 self.max_beyond[name] = max(self.max_beyond.get(name, 0.0), ratio)
         self.num_extrapolated += beyond
         if not beyond and self.rows_recorded:
-            recorded = self.rows_recorded.get(shape.num_rows, 0)
-            if recorded < ROWS_PRIOR_STEPS:
+            rows = shape.num_rows
+            recorded, parts = self.rows_recorded.get(rows, 0), self.rows_parts.get(rows, 0)
+            if recorded < ROWS_PRIOR_STEPS or parts < ROWS_MIN_PARTS:
                 self.num_rare_rows += 1
-                self.rare_rows[shape.num_rows] = recorded
+                self.rare_rows[rows] = (recorded, parts)
 
     def fresh(self, forward_scale: float = 1.0) -> StepTimeModel:
         """The same model with its counts at zero (one per what-if run), its forward times at
         `forward_scale` times the fit's (a machine that much slower; the other phases as fitted)."""
         return StepTimeModel(self.forward, self.overhead, self.gap, self.slowdown, self.seen, self.seed,
-                             self.rows_recorded, forward_scale=forward_scale)
+                             self.rows_recorded, self.rows_parts, forward_scale=forward_scale)
 
     def extrapolation(self) -> str | None:
         """None when every predicted step lay within the recording's shapes, at row counts it ran often
-        enough to time them (a row count of a handful of recorded steps is timed by the law alone)."""
+        enough to time them, at enough moments (a row count of a handful of recorded steps is timed by the
+        law alone, one of a few moments by their load)."""
         parts = []
         if self.num_extrapolated:
             worst = ", ".join(f"{name} up to {ratio:.1f}x" for name, ratio in sorted(self.max_beyond.items()))
             parts.append(f"{self.num_extrapolated} of {self.num_predicted} steps beyond the recorded shapes "
                          f"({worst})")
         if self.num_rare_rows:
-            rare = ", ".join(f"{rows} rows: {n} recorded" for rows, n in sorted(self.rare_rows.items()))
+            rare = ", ".join(f"{rows} rows: {n} recorded, in {k} of {RUN_PARTS}"
+                             for rows, (n, k) in sorted(self.rare_rows.items()))
             parts.append(f"{self.num_rare_rows} of {self.num_predicted} steps at row counts the recording "
-                         f"ran fewer than {ROWS_PRIOR_STEPS} times ({rare})")
+                         f"ran fewer than {ROWS_PRIOR_STEPS} times or in fewer than {ROWS_MIN_PARTS} of "
+                         f"{RUN_PARTS} equal parts of its time ({rare})")
         return "extrapolated: " + "; ".join(parts) if parts else None
 
 
@@ -401,4 +413,17 @@ def fit_model(shapes: list[StepShape], finished: list, gaps: list[GapSample],
             for name in ("num_rows", "prefill_tokens", "decode_rows", "context_tokens")}
     slowdown = fit_slowdown(shapes, [e.forward_s for e in finished], forward)
     return StepTimeModel(forward, overhead, fit_gap(gaps), slowdown, seen,
-                         rows_recorded=dict(Counter(shape.num_rows for shape in shapes)))
+                         rows_recorded=dict(Counter(shape.num_rows for shape in shapes)),
+                         rows_parts=parts_per_rows(shapes))
+
+
+def parts_per_rows(shapes: list[StepShape]) -> dict[int, int]:
+    """Per row count, in how many of RUN_PARTS equal parts of the recording's time (its first step's
+    start to its last's) it ran a step."""
+    first = min(shape.start_s for shape in shapes)
+    length = max(shape.start_s for shape in shapes) - first
+    parts: dict[int, set[int]] = {}
+    for shape in shapes:
+        part = min(int((shape.start_s - first) / length * RUN_PARTS), RUN_PARTS - 1) if length > 0 else 0
+        parts.setdefault(shape.num_rows, set()).add(part)
+    return {rows: len(seen) for rows, seen in parts.items()}

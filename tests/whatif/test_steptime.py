@@ -9,7 +9,17 @@ from whatif_helpers import linear_law, synthetic_recording
 
 from batchtop.engine.whatif.grid import predict, run_of
 from batchtop.engine.whatif.replay import fit_steps, replay_identity
-from batchtop.engine.whatif.steptime import LAWS, PRODUCTS, ROWS_PRIOR_STEPS, fit_law, fit_slowdown, tiled
+from batchtop.engine.whatif.steptime import (
+    LAWS,
+    PRODUCTS,
+    ROWS_MIN_PARTS,
+    ROWS_PRIOR_STEPS,
+    RUN_PARTS,
+    fit_law,
+    fit_slowdown,
+    parts_per_rows,
+    tiled,
+)
 from batchtop.engine.whatif.virtual import StepShape
 from batchtop.kernels import cpu
 from batchtop.telemetry.weights import weight_macs
@@ -89,15 +99,33 @@ def test_steps_at_a_row_count_the_recording_ran_a_handful_of_times_are_flagged(s
     fewer than ROWS_PRIOR_STEPS times is named with its count, and its factor stays near the law's 1."""
     model = fit_steps(synthetic, replay_identity(synthetic))
     assert all(n >= ROWS_PRIOR_STEPS for rows, n in model.rows_recorded.items() if rows >= 2)
+    assert all(model.rows_parts[rows] >= ROWS_MIN_PARTS for rows in model.rows_recorded if rows >= 2)
     rare = dataclasses.replace(model, rows_recorded={**model.rows_recorded, 2: 3}).fresh()
     run = predict(synthetic, rare, {"max_num_seqs": 2})
     assert run.extrapolation is not None
-    assert "row counts the recording ran fewer than 20 times (2 rows: 3 recorded)" in run.extrapolation
+    assert "row counts the recording ran fewer than 20 times or in fewer than 3 of 20 equal parts" \
+        in run.extrapolation
+    assert f"(2 rows: 3 recorded, in {model.rows_parts[2]} of 20)" in run.extrapolation
     assert "beyond the recorded shapes" not in run.extrapolation
     # 60 steps of 4 rows as the law says, 3 of 2 rows twice as slow: their factor stays near 1
     shapes = [StepShape(2 if i % 20 == 10 else 4, 0, 4, 4, 40, 0, i * 0.01) for i in range(60)]
     measured = [(2.0 if s.num_rows == 2 else 1.0) * model.forward.predict(s) for s in shapes]
     assert 1.0 < fit_slowdown(shapes, measured, model.forward).by_rows[2] < 1.2
+
+
+def test_a_row_count_the_recording_ran_only_as_its_queue_drained_is_flagged(synthetic):
+    """A recording at 4 rows under a queue runs 2 rows only as it drains: 25 steps of 2 rows, more than
+    ROWS_PRIOR_STEPS but all in the last half second (one moment's load), flag a what-if at 2 rows."""
+    shapes = [StepShape(4, 0, 4, 4, 40, 0, i * 0.02) for i in range(400)]
+    shapes += [StepShape(2, 0, 2, 2, 20, 0, 8.0 + i * 0.02) for i in range(25)]
+    parts = parts_per_rows(shapes)
+    assert parts[4] >= RUN_PARTS - 1 and parts[2] < ROWS_MIN_PARTS
+    model = fit_steps(synthetic, replay_identity(synthetic))
+    drained = dataclasses.replace(model, rows_parts={**model.rows_parts, 2: parts[2]}).fresh()
+    run = predict(synthetic, drained, {"max_num_seqs": 2})
+    assert run.extrapolation is not None
+    assert f"(2 rows: {model.rows_recorded[2]} recorded, in {parts[2]} of 20)" in run.extrapolation
+    assert predict(synthetic, model.fresh(), {"max_num_seqs": 2}).extrapolation is None
 
 
 def four_row_steps(forward_ms, seed: int, noise: float = 0.1, shortest_prompt: int = 8):

@@ -1,9 +1,10 @@
 """The vLLM leg of the predicted-against-measured check (engine/bench/whatif_vllm.py) without a vLLM
 server: a captured event stream written with the header built from a server's `/v1/knobs` reads back
 as a recording of vLLM 0.32 whose harness set-up is the server's; the client's figures become the
-what-if row's keys; the table's arithmetic and verdicts."""
+what-if row's keys; the table's arithmetic and verdicts, and the what-if's caveats beside it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,9 @@ from whatif_helpers import linear_law, synthetic_recording
 from batchtop.engine.bench import whatif_vllm
 from batchtop.engine.bench.serving import RequestResult, summarize
 from batchtop.engine.bench.whatif_check import comparison_table, make_trace
+from batchtop.engine.whatif.grid import predict
 from batchtop.engine.whatif.recording import read_recording
+from batchtop.engine.whatif.replay import fit_steps, replay_identity
 from batchtop.engine.whatif.vllm_replay import check_grid, harness_limits, harness_trace
 
 # What batchtop's class inside vLLM 0.32 answers on GET /v1/knobs (the fields the header needs).
@@ -76,6 +79,22 @@ def test_the_table_gives_a_verdict_only_where_the_error_exceeds_the_measured_spr
     assert "| +5% | ok |" in rows["TTFT p99"]
     assert "| +50% | missed |" in rows["ITL p50"]
     assert "| -30 | missed |" in rows["preemptions"]
+
+
+def test_the_table_carries_the_what_if_s_caveats_beside_the_points_it_marked():
+    """Of three rounds' predictions at 2 rows, two from a recording whose 2-row steps lie in one part of
+    its time (the queue's drain): the table names those rounds with the what-if's own words."""
+    rec = synthetic_recording(linear_law, num_requests=150, max_num_seqs=6)
+    model = fit_steps(rec, replay_identity(rec))
+    drained = dataclasses.replace(model, rows_parts={**model.rows_parts, 2: 1})
+    rows = [predict(rec, m.fresh(), {"max_num_seqs": 2}).row() for m in (model, drained, drained)]
+    point = {"knobs": {"max_num_seqs": 2}, "predicted": rows, "measured": [ROW] * 3}
+    caveats = [line for line in comparison_table([point]) if line.startswith("- ")]
+    assert caveats == [f"- max_num_seqs=2 (round 2, 3 of 3): round 2: {rows[1]['extrapolated']}"]
+    assert "2 rows: " in caveats[0] and "in 1 of 20" in caveats[0]
+    unmarked = comparison_table([{**point, "predicted": rows[:1]}])
+    assert not any(line.startswith("- ") for line in unmarked)
+    assert any(line.startswith("No prediction was marked extrapolated") for line in unmarked)
 
 
 ROW = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "itl_p50_s": 0.03, "output_tok_s": 60.0, "preemptions": 0}
