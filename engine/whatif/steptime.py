@@ -390,7 +390,7 @@ class StepTimeModel:
             parts.append(f"{self.num_extrapolated} of {self.num_predicted} steps beyond the recorded shapes "
                          f"({worst})")
         if self.num_rare_rows:
-            rare = ", ".join(f"{rows} rows: {n} recorded, in {k} of {RUN_PARTS}"
+            rare = ", ".join(f"{rows} row{'s' * (rows != 1)}: {n} recorded, in {k} of {RUN_PARTS}"
                              for rows, (n, k) in sorted(self.rare_rows.items()))
             parts.append(f"{self.num_rare_rows} of {self.num_predicted} steps at row counts the recording "
                          f"ran fewer than {ROWS_PRIOR_STEPS} times or in fewer than {ROWS_MIN_PARTS} of "
