@@ -62,12 +62,12 @@ def cmd_whatif(args) -> int:
     from .recording import read_recording
     scales = parse_step_scales(args.step_time)
     rec = read_recording(args.recording, args.engine)
+    grid = parse_settings(args.set, _capacity(rec))
     if rec.setup.vllm is not None:
-        from .vllm_replay import VLLM_MAX_NUM_SEQS, whatif_vllm
-        result = whatif_vllm(rec, parse_settings(args.set, VLLM_MAX_NUM_SEQS), keep_events=bool(args.record),
-                             step_scales=scales)
+        from .vllm_replay import whatif_vllm
+        result = whatif_vllm(rec, grid, keep_events=bool(args.record), step_scales=scales)
     else:
-        result = whatif(rec, parse_settings(args.set, rec.setup.batch_capacity), scales)
+        result = whatif(rec, grid, scales)
     grid = result.runs[2:]
     paths = write_runs(result, args.record) if args.record and grid else []
     if args.json:
@@ -77,6 +77,15 @@ def cmd_whatif(args) -> int:
         for path in paths:
             print(f"recorded {path}", file=sys.stderr)
     return 0
+
+
+def _capacity(rec) -> int:
+    """The largest max_num_seqs a what-if of the recording may ask: its engine's batch capacity, or what
+    a fresh vLLM scheduler takes."""
+    if rec.setup.vllm is not None:
+        from .vllm_replay import VLLM_MAX_NUM_SEQS
+        return VLLM_MAX_NUM_SEQS
+    return rec.setup.batch_capacity
 
 
 def cmd_diff(args) -> int:
@@ -101,20 +110,20 @@ def cmd_tune(args) -> int:
     if args.verify and not args.apply:
         raise ValueError("--verify needs --apply URL")
     rec = read_recording(args.recording, args.engine)
-    if rec.setup.vllm is not None:
-        raise ValueError(f"{rec.path}: tune runs batchtop's scheduler; for a recording made inside vLLM "
-                         "run the grid with batchtop whatif --set")
     slo = parse_slo(args.slo)
     scales = parse_step_scales(args.step_time)
-    grid = parse_knob_range(args.knob, rec.setup.batch_capacity)
+    grid = parse_knob_range(args.knob, _capacity(rec))
     result = tune(rec, grid, slo, scales)
     best = result.best
     report = {"slo_s": slo, "step_scales": scales, "heldout_mape": result.heldout_mape,
-              "best": best.row() if best else None, "runs": [run.row() for run in result.runs]}
+              "in_flight_at_start": len(rec.in_flight), "best": best.row() if best else None,
+              "runs": [run.row() for run in result.runs]}
     lines = [f"tuned {', '.join(grid)} over {len(result.runs)} what-if runs of {rec.path} "
              f"(step-time fit: held-out MAPE {result.heldout_mape:.1%}); SLO "
              + ", ".join(f"{k} <= {v:g}s" for k, v in slo.items())
              + (" at step times " + ", ".join(f"{f:g}x" for f in scales) if scales != (1.0,) else "")]
+    if rec.in_flight:
+        lines.append(rec.in_flight_words())
     lines.append("no value meets the SLO" if best is None else
                  "best: " + ", ".join(f"{k}={v}" for k, v in best.knobs.items())
                  + f" ({best.summary.throughput_out_tok_s:.1f} output tok/s predicted)")

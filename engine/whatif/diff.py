@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from batchtop.telemetry import events as ev
 from batchtop.telemetry.recorder import read_log
 
-from .replay import signatures
+from .replay import signatures, steps_in_order
 
 PARTS = ("queue", "prefill", "decode", "preempted")
 
@@ -144,8 +144,7 @@ def diff_events(events_a, events_b, name_a: str = "A", name_b: str = "B") -> Dif
                                    (len(x.evictions), len(y.evictions)), (x.reason, y.reason)))
     rename = {y.request_id: x.request_id for x, y in pairs}
     sig_a, sig_b = signatures(events_a), signatures(events_b, rename)
-    steps = sorted(set(sig_a) | set(sig_b))
-    first = next((step for step in steps if sig_a.get(step) != sig_b.get(step)), None)
+    first = next((step for step, alike in steps_in_order(sig_a, sig_b) if not alike), None)
     changes = tuple([(e.step, e.name, e.old, e.new, e.source) for e in events
                      if isinstance(e, ev.KnobChanged)] for events in (events_a, events_b))
     return Diff(matched_by, deltas, unfinished, first, changes)

@@ -78,10 +78,20 @@ class Recording:
     requests: list[TraceRequest]
     setup: EngineSetup
     knob_changes: list[tuple[float, str, object]] = field(default_factory=list)   # (t, name, new)
+    in_flight: tuple[str, ...] = ()    # requests its events name that arrived before it began
 
     @property
     def model(self) -> str | None:
         return self.header.get("model")
+
+    def in_flight_words(self) -> str | None:
+        """What a what-if of a recording joined mid-run lacks, in a sentence; None for a whole one."""
+        if not self.in_flight:
+            return None
+        return (f"{len(self.in_flight)} requests were in flight when the recording began (it holds no "
+                "arrival for them): they are not in the trace, so every run here starts with less load "
+                "than the recorded one, and the identity replay differs until they are gone; a recording "
+                "from the server's first step has them all")
 
     @property
     def steps(self) -> list[ev.StepFinished]:
@@ -140,7 +150,20 @@ def recording_from(header: dict, events: list[ev.Event], path: str = "<events>")
     requests = _trace(path, events, t0)
     setup = (_vllm_setup if made_inside_vllm(header) else _setup)(header, events, requests)
     changes = [(e.t - t0, e.name, e.new) for e in events if isinstance(e, ev.KnobChanged)]
-    return Recording(path, header, events, t0, requests, setup, changes)
+    return Recording(path, header, events, t0, requests, setup, changes, _in_flight(events, requests))
+
+
+def _in_flight(events: list[ev.Event], requests: list[TraceRequest]) -> tuple[str, ...]:
+    """The requests the events name (a join's snapshot lists them, their steps and retirements name
+    them) without their arrival: in flight when the recording began."""
+    arrived = {r.request_id for r in requests}
+    named: dict[str, None] = {}
+    for e in events:
+        if isinstance(e, ev.EngineSnapshot):
+            named.update(dict.fromkeys(e.request_ids))
+        elif (request_id := getattr(e, "request_id", None)) is not None:
+            named[request_id] = None
+    return tuple(r for r in named if r not in arrived)
 
 
 def _trace(path: str, events: list[ev.Event], t0: float) -> list[TraceRequest]:

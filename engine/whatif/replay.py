@@ -92,11 +92,15 @@ def replay_identity(rec: Recording, snapshot_interval_steps: int = 1000) -> Iden
             engine.set_knob(e.name, e.new, e.t - t0, e.source)
         elif kind in (ev.EnginePaused, ev.EngineResumed):
             engine.note_paused(kind is ev.EnginePaused, e.t - t0)
-    recorded, replayed = signatures(rec.events), signatures(events)
-    steps = sorted(recorded)
-    matching = [step for step in steps if replayed.get(step) == recorded[step]]
-    mismatch = next((step for step in steps if replayed.get(step) != recorded[step]), None)
-    return Identity(engine, events, len(steps), len(matching), mismatch)
+    return identity_of(rec, engine, events)
+
+
+def identity_of(rec: Recording, engine, events: list[ev.Event]) -> Identity:
+    """A replay's events against the recording's, step for step."""
+    recorded = signatures(rec.events)
+    compared = steps_in_order(recorded, signatures(events))[:len(recorded)]
+    mismatch = next((step for step, alike in compared if not alike), None)
+    return Identity(engine, events, len(recorded), sum(alike for _, alike in compared), mismatch)
 
 
 def signatures(events, rename: dict[str, str] | None = None) -> dict[int, tuple]:
@@ -125,6 +129,18 @@ def signatures(events, rename: dict[str, str] | None = None) -> dict[int, tuple]
         elif kind is ev.RequestRetired and e.reason not in QUEUE_EXITS:
             parts[e.step].append(("retire", name(e.request_id), e.reason))
     return {step: tuple(sorted(p, key=repr)) for step, p in parts.items() if any(x[0] == "plan" for x in p)}
+
+
+def steps_in_order(a: dict[int, tuple], b: dict[int, tuple]) -> list[tuple[int, bool]]:
+    """Two runs' `signatures` side by side, the k-th step of one against the k-th of the other (a run
+    recorded from the middle of a server's life numbers its steps from where the server had got to, its
+    replay from 1): per k, A's number of the step (past A's last, counted on from it) and whether the
+    two steps are alike."""
+    steps_a, steps_b = sorted(a), sorted(b)
+    last = steps_a[-1] if steps_a else 0
+    return [(steps_a[k] if k < len(steps_a) else last + k - len(steps_a) + 1,
+             k < len(steps_a) and k < len(steps_b) and a[steps_a[k]] == b[steps_b[k]])
+            for k in range(max(len(steps_a), len(steps_b)))]
 
 
 def fit_steps(rec: Recording, identity: Identity) -> StepTimeModel:

@@ -7,12 +7,14 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from batchtop.engine.core.knobs import knob
 
 from .grid import Run, predict
 from .recording import Recording
 from .replay import fit_steps, replay_identity
+from .steptime import StepTimeModel
 
 SLO_METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99")
 MAX_RANGE_POINTS = 64
@@ -77,21 +79,44 @@ class Tuning:
 
 
 def tune(rec: Recording, grid: dict[str, list], slo: dict[str, float],
-         step_scales: tuple[float, ...] = (1.0,)) -> Tuning:
+         step_scales: tuple[float, ...] = (1.0,), harness=None) -> Tuning:
     """The values with the most output tok/s (on the fitted step times) among those that meet the SLO
-    at every one of `step_scales` (forward times at those multiples: a margin for a slower machine)."""
-    identity = replay_identity(rec)
-    model = fit_steps(rec, identity)
+    at every one of `step_scales` (forward times at those multiples: a margin for a slower machine),
+    each run through the recording's own engine's scheduler: batchtop's here, vLLM's in the harness of
+    the vLLM that recorded it (`harness`, or one started for the grid)."""
+    if rec.setup.vllm is None:
+        model = fit_steps(rec, replay_identity(rec))
+        return _chosen(grid, slo, step_scales, model,
+                       lambda changed, scale: predict(rec, model, changed, step_scale=scale))
+    from .vllm_replay import (
+        HarnessProcess,
+        check_grid,
+        fit_through_harness,
+        identity_through_harness,
+        predict_through_harness,
+    )
+    check_grid(grid)
+    if harness is None:
+        with HarnessProcess(rec.setup.vllm["version"]) as own:
+            return tune(rec, grid, slo, step_scales, own)
+    model = fit_through_harness(rec, identity_through_harness(rec, harness)[1])
+    return _chosen(grid, slo, step_scales, model, lambda changed, scale: predict_through_harness(
+        rec, model, harness, changed, step_scale=scale))
+
+
+def _chosen(grid: dict[str, list], slo: dict[str, float], step_scales: tuple[float, ...],
+            model: StepTimeModel, run: Callable[[dict, float], Run]) -> Tuning:
+    """Every point of the grid run (`run(changed, scale)`) at 1x and each scale, and the best of those
+    that meet the SLO at every scale asked for."""
     names = list(grid)
     scales = sorted({1.0, *step_scales})
     runs, feasible = [], []
     for combo in itertools.product(*grid.values()):
-        changed = dict(zip(names, combo))
-        scaled = [predict(rec, model, changed, step_scale=scale) for scale in scales]
+        scaled = [run(dict(zip(names, combo)), scale) for scale in scales]
         runs += scaled
-        if all(meets(run, slo) for run in scaled if run.step_scale in step_scales):
+        if all(meets(r, slo) for r in scaled if r.step_scale in step_scales):
             feasible.append(scaled[scales.index(1.0)])
-    best = max(feasible, key=lambda run: run.summary.throughput_out_tok_s or 0.0, default=None)
+    best = max(feasible, key=lambda r: r.summary.throughput_out_tok_s or 0.0, default=None)
     return Tuning(runs, best, model.forward.heldout_mape)
 
 

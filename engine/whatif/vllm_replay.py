@@ -29,7 +29,7 @@ from batchtop.telemetry.run_stats import MetricsSummary
 
 from .grid import Run, WhatIf, grid_runs, run_label, run_of
 from .recording import VLLM_KNOBS, Recording
-from .replay import Identity, recorded_gaps, recorded_phases, signatures, without_gc
+from .replay import Identity, identity_of, recorded_gaps, recorded_phases, without_gc
 from .steptime import StepTimeModel, fit_model
 from .virtual import StepShape
 
@@ -164,12 +164,7 @@ def _shapes(result: dict) -> list[StepShape]:
 def identity_through_harness(rec: Recording, harness: HarnessProcess) -> tuple[Identity, list[StepShape]]:
     """The recording's trace through vLLM's scheduler on the recorded step times, compared step by step."""
     result = harness.run(_job(rec, recorded_table(rec), as_scheduled=True))
-    events = _events(result)
-    recorded, replayed = signatures(rec.events), signatures(events)
-    steps = sorted(recorded)
-    matching = [step for step in steps if replayed.get(step) == recorded[step]]
-    mismatch = next((step for step in steps if replayed.get(step) != recorded[step]), None)
-    return Identity(None, events, len(steps), len(matching), mismatch), _shapes(result)
+    return identity_of(rec, None, _events(result)), _shapes(result)
 
 
 def recorded_steps(rec: Recording, shapes: list[StepShape]) -> list[tuple[StepShape, ev.StepFinished]]:

@@ -4,15 +4,20 @@ endpoint behind an API key: short requests (one block each: nothing is preempted
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 
 import httpx
 import httpx2
 import openai
 from test_vllm_scheduler import metric, set_knob
-from vllm_helpers import AUTH
+from vllm_helpers import AUTH, EVENTS_API_KEY, EventFollower
 
+from batchtop.engine.bench.whatif_vllm import vllm_header, write_recording
+from batchtop.engine.whatif.recording import read_recording
 from batchtop.telemetry import events as ev
+from batchtop.tui.cli import main
 
 PROMPT = "The history of the city is long and " * 16
 
@@ -243,3 +248,56 @@ def test_a_stream_closed_by_the_openai_client_retires_as_abort_and_frees_its_blo
     )
     after = next(e for e in events if isinstance(e, ev.StepPlanned) and e.t > retired.t)
     assert after.num_running == 1 and after.kv_blocks_used <= 1, "only the new request's block is in use"
+
+
+def test_tune_applies_its_choice_to_vllm_live_and_verifies_from_the_stream(vllm_server, tmp_path, capsys):
+    """The postmortem loop on a real vLLM: a recording taken from its side endpoint (joined while it was idle,
+    after other tests' load), `tune` over it through vLLM's own scheduler, `--apply` to the same server
+    behind its API key, and `--verify` reading the live events while requests keep coming."""
+    base_url, events_url = vllm_server[0].url, vllm_server[1]
+    turn(events_url, "max_num_seqs", 8)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (metric(base_url, "vllm:num_requests_running")
+                                           or metric(base_url, "vllm:num_requests_waiting")):
+        time.sleep(0.2)
+    recorder = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
+    stop = threading.Event()
+
+    async def recorded_load():
+        async with _client(base_url) as client:
+            tasks = []
+            for i in range(10):
+                tasks.append(asyncio.ensure_future(_completion(client, f"Request {i}: tell a story.", 16)))
+                await asyncio.sleep(0.1)
+            return await asyncio.gather(*tasks)
+
+    def load() -> None:
+        with httpx.Client(base_url=base_url, timeout=120) as client:
+            while not stop.is_set():
+                client.post("/v1/completions", json={"model": "smollm2", "prompt": "Once upon a time",
+                                                     "max_tokens": 8, "ignore_eos": True})
+
+    try:
+        asyncio.run(recorded_load())
+        events = recorder.wait_for(lambda evs: sum(isinstance(e, ev.RequestRetired) for e in evs) >= 10)
+        state = httpx.get(f"{events_url}/v1/knobs", headers=AUTH, timeout=10).json()
+        path = write_recording(tmp_path / "vllm.jsonl", vllm_header(state), events)
+        clients = [threading.Thread(target=load, daemon=True) for _ in range(2)]
+        for client in clients:
+            client.start()
+        code = main(["tune", str(path), "--slo", "ttft_p99=60s", "--knob", "max_num_seqs=2,3", "--apply",
+                     events_url, "--api-key", EVENTS_API_KEY, "--verify", "3", "--json"])
+        stop.set()
+        report = json.loads(capsys.readouterr().out)
+        live = start_value(events_url, "max_num_seqs")
+    finally:
+        stop.set()
+        recorder.close()
+        turn(events_url, "max_num_seqs", 8)
+    assert code == 0
+    assert read_recording(str(path)).setup.vllm["version"] == "0.32"       # tuned through vLLM's scheduler
+    assert report["in_flight_at_start"] == 0
+    best = report["best"]["knobs"]
+    assert best["max_num_seqs"] in (2, 3) and live == best["max_num_seqs"]
+    assert report["measured"]["knobs"] == best and report["measured"]["steps"] > 0
+    assert report["measured"]["output_tok_s"] > 0
