@@ -17,7 +17,8 @@ from dataclasses import dataclass, fields
 #    pool's cached (evictable) blocks
 # 4: RequestArrived's since_arrival_s
 # 5: RequestArrived's input_s
-SCHEMA_VERSION = 5
+# 6: EngineSnapshot's priorities, num_preemptions and new_token_ratio (a replay can start from one)
+SCHEMA_VERSION = 6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -304,6 +305,9 @@ class EngineSnapshot(Event):
     kv_blocks_used: int
     kv_blocks_total: int
     kv_blocks_cached: int = 0
+    priorities: tuple[int, ...] = ()      # per request (empty: not known)
+    num_preemptions: tuple[int, ...] = () # per request (empty: not known)
+    new_token_ratio: float | None = None  # retraction's admission estimate (None: the engine has none)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

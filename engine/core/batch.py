@@ -97,12 +97,18 @@ class PersistentBatch:
 
     def _add(self, request_id: str, token_ids: list[int]) -> int:
         slot = self._free_slot()
+        self.place(request_id, slot, token_ids)
+        return slot
+
+    def place(self, request_id: str, slot: int, token_ids: list[int]) -> None:
+        """A request put back in the row it held (a replay that starts from an engine's snapshot)."""
+        if self.request_ids[slot] is not None:
+            raise ValueError(f"row {slot} holds {self.request_ids[slot]}, not free for {request_id}")
         self.request_ids[slot] = request_id
         self.slot_of[request_id] = slot
         self.token_ids[slot, : len(token_ids)] = token_ids
         self.num_tokens[slot] = len(token_ids)
         self.num_blocks[slot] = 0
-        return slot
 
     def _free_slot(self) -> int:
         if self.layout == "condense" and self._holes:

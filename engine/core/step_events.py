@@ -212,4 +212,6 @@ class StepEvents:
             num_blocks=tuple(kv.num_blocks_held(r.request_id) for r in requests),
             max_tokens=tuple(r.sampling.max_tokens for r in requests),
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
-            kv_blocks_cached=kv.num_cached_blocks)
+            kv_blocks_cached=kv.num_cached_blocks, priorities=tuple(r.priority for r in requests),
+            num_preemptions=tuple(r.num_preemptions for r in requests),
+            new_token_ratio=scheduler.new_token_ratio)

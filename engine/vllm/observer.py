@@ -316,4 +316,6 @@ class StepObserver:
                    num_computed_tokens=tuple(r.num_computed_tokens for r, _ in entries),
                    num_blocks=tuple(self._blocks_of(r.request_id) for r, _ in entries),
                    max_tokens=tuple(r.max_tokens for r, _ in entries), kv_blocks_used=used,
-                   kv_blocks_total=total, kv_blocks_cached=self._num_cached_blocks())
+                   kv_blocks_total=total, kv_blocks_cached=self._num_cached_blocks(),
+                   priorities=tuple(r.priority for r, _ in entries),
+                   num_preemptions=tuple(r.num_preemptions for r, _ in entries))

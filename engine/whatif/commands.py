@@ -116,14 +116,14 @@ def cmd_tune(args) -> int:
     result = tune(rec, grid, slo, scales)
     best = result.best
     report = {"slo_s": slo, "step_scales": scales, "heldout_mape": result.heldout_mape,
-              "in_flight_at_start": len(rec.in_flight), "best": best.row() if best else None,
-              "runs": [run.row() for run in result.runs]}
+              "in_flight_at_start": len(rec.in_flight) + len(rec.unseen),
+              "best": best.row() if best else None, "runs": [run.row() for run in result.runs]}
     lines = [f"tuned {', '.join(grid)} over {len(result.runs)} what-if runs of {rec.path} "
              f"(step-time fit: held-out MAPE {result.heldout_mape:.1%}); SLO "
              + ", ".join(f"{k} <= {v:g}s" for k, v in slo.items())
              + (" at step times " + ", ".join(f"{f:g}x" for f in scales) if scales != (1.0,) else "")]
-    if rec.in_flight:
-        lines.append(rec.in_flight_words())
+    if joined := rec.in_flight_words():
+        lines.append(joined)
     lines.append("no value meets the SLO" if best is None else
                  "best: " + ", ".join(f"{k}={v}" for k, v in best.knobs.items())
                  + f" ({best.summary.throughput_out_tok_s:.1f} output tok/s predicted)")

@@ -76,7 +76,7 @@ class WhatIf:
         law = self.model.forward
         return {"recording": self.recording.path, "model": self.recording.model,
                 "setup": self.recording.setup.to_dict(), "assumed": list(self.recording.setup.assumed),
-                "in_flight_at_start": len(self.recording.in_flight),
+                "in_flight_at_start": len(self.recording.in_flight) + len(self.recording.unseen),
                 "knobs": self.recording.setup.knobs,
                 "identity": {"steps": self.identity.num_steps, "matching": self.identity.num_matching,
                              "share": self.identity.match_share,
@@ -184,8 +184,8 @@ def format_table(result: WhatIf) -> str:
              NOTE_LENGTHS]
     if rec.setup.assumed:
         lines.append("not in the recording, engine defaults assumed: " + ", ".join(rec.setup.assumed))
-    if rec.in_flight:
-        lines.append(rec.in_flight_words())
+    if joined := rec.in_flight_words():
+        lines.append(joined)
     scales = sorted({run.step_scale for run in result.runs} - {1.0})
     if scales:
         lines.append("@F: the run again with every fitted forward time at F times (" + ", ".join(

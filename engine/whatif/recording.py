@@ -45,6 +45,21 @@ class TraceRequest:
 
 
 @dataclass(frozen=True)
+class InFlight:
+    """A request already in the engine when the recording began, as the first snapshot that lists it had
+    it: its request's arrival is known from its first token where the recording has that (else it is
+    the recording's start); its priority where the snapshot says (schema 6), else 0."""
+    request: TraceRequest
+    status: str                        # running | padding (a static batch's finished row) | waiting |
+                                       # preempted
+    slot: int                          # its row of the batch (-1: not in it)
+    num_output_tokens: int             # generated before the recording began
+    num_computed_tokens: int
+    num_blocks: int                    # KV blocks it held
+    num_preemptions: int               # before the recording began (a preempted one computes again)
+
+
+@dataclass(frozen=True)
 class EngineSetup:
     num_kv_blocks: int
     block_size: int
@@ -78,20 +93,34 @@ class Recording:
     requests: list[TraceRequest]
     setup: EngineSetup
     knob_changes: list[tuple[float, str, object]] = field(default_factory=list)   # (t, name, new)
-    in_flight: tuple[str, ...] = ()    # requests its events name that arrived before it began
+    in_flight: tuple[InFlight, ...] = ()   # requests in its first snapshots that arrived before it began
+    unseen: tuple[str, ...] = ()           # others its events name without an arrival, in no snapshot
+    start_new_token_ratio: float | None = None   # retraction's estimate in a snapshot before its first step
 
     @property
     def model(self) -> str | None:
         return self.header.get("model")
 
     def in_flight_words(self) -> str | None:
-        """What a what-if of a recording joined mid-run lacks, in a sentence; None for a whole one."""
-        if not self.in_flight:
-            return None
-        return (f"{len(self.in_flight)} requests were in flight when the recording began (it holds no "
-                "arrival for them): they are not in the trace, so every run here starts with less load "
-                "than the recorded one, and the identity replay differs until they are gone; a recording "
-                "from the server's first step has them all")
+        """What a what-if does with a recording joined mid-run, in a sentence; None for a whole one."""
+        if self.setup.vllm is not None:        # vLLM's harness takes in the trace alone
+            joined, left_out = (), self.in_flight_ids() + self.unseen
+        else:
+            joined, left_out = self.in_flight, self.unseen
+        words = []
+        if joined:
+            words.append(f"{len(joined)} requests were in flight when the recording began (it holds no "
+                         "arrival for them): every run starts from them as the recording's first snapshot "
+                         "had them (a running one in its row of the batch with its KV blocks, the others "
+                         "queued in its order); they have no end-to-end time")
+        if left_out:
+            words.append(f"{len(left_out)} requests were in flight when the recording began and are left out "
+                         "(it holds no arrival for them), so every run starts with less load than the "
+                         "recorded one and the identity replay differs while they run")
+        return "; ".join(words) or None
+
+    def in_flight_ids(self) -> tuple[str, ...]:
+        return tuple(item.request.request_id for item in self.in_flight)
 
     @property
     def steps(self) -> list[ev.StepFinished]:
@@ -148,22 +177,63 @@ def recording_from(header: dict, events: list[ev.Event], path: str = "<events>")
         raise ValueError(f"{path}: its StepFinished events carry no timings (forward_s is 0 throughout)")
     t0 = events[0].t
     requests = _trace(path, events, t0)
-    setup = (_vllm_setup if made_inside_vllm(header) else _setup)(header, events, requests)
+    in_flight, unseen = _in_flight(events, requests, t0)
+    setup = (_vllm_setup if made_inside_vllm(header) else _setup)(
+        header, events, requests + [item.request for item in in_flight])
     changes = [(e.t - t0, e.name, e.new) for e in events if isinstance(e, ev.KnobChanged)]
-    return Recording(path, header, events, t0, requests, setup, changes, _in_flight(events, requests))
+    return Recording(path, header, events, t0, requests, setup, changes, in_flight, unseen,
+                     _start_new_token_ratio(events))
 
 
-def _in_flight(events: list[ev.Event], requests: list[TraceRequest]) -> tuple[str, ...]:
-    """The requests the events name (a join's snapshot lists them, their steps and retirements name
-    them) without their arrival: in flight when the recording began."""
-    arrived = {r.request_id for r in requests}
-    named: dict[str, None] = {}
+def _start_new_token_ratio(events: list[ev.Event]) -> float | None:
+    """Retraction's admission estimate in the snapshot a recorder that joined a running engine starts
+    with (before the first step it holds)."""
     for e in events:
         if isinstance(e, ev.EngineSnapshot):
-            named.update(dict.fromkeys(e.request_ids))
-        elif (request_id := getattr(e, "request_id", None)) is not None:
+            return e.new_token_ratio
+        if isinstance(e, ev.StepPlanned):
+            return None
+    return None
+
+
+def _in_flight(events: list[ev.Event], requests: list[TraceRequest],
+               t0: float) -> tuple[tuple[InFlight, ...], tuple[str, ...]]:
+    """The requests the events name without their arrival (in flight when the recording began): those a
+    snapshot lists (a recorder that joins a running engine starts with one), in its order (running,
+    then waiting), with what they had; and the ids of the rest."""
+    arrived = {r.request_id for r in requests}
+    named: dict[str, None] = {}
+    listed: dict[str, tuple] = {}      # what the first snapshot listing it says, by EngineSnapshot field
+    first_token: dict[str, float] = {}
+    retired: dict[str, ev.RequestRetired] = {}
+    for e in events:
+        kind = type(e)
+        if kind is ev.EngineSnapshot:
+            for i, request_id in enumerate(e.request_ids):
+                if request_id not in arrived and request_id not in listed:
+                    preempted = int(e.statuses[i] == "preempted")       # a schema-5 snapshot: at least once
+                    listed[request_id] = (e.statuses[i], e.slots[i], e.num_prompt_tokens[i],
+                                          e.num_output_tokens[i], e.num_computed_tokens[i], e.num_blocks[i],
+                                          e.max_tokens[i], e.priorities[i] if e.priorities else 0,
+                                          e.num_preemptions[i] if e.num_preemptions else preempted)
+        elif kind is ev.FirstToken:
+            first_token[e.request_id] = e.t - e.ttft_s - t0
+        elif kind is ev.RequestRetired:
+            retired[e.request_id] = e
+        if (request_id := getattr(e, "request_id", None)) is not None and request_id not in arrived:
             named[request_id] = None
-    return tuple(r for r in named if r not in arrived)
+    in_flight = []
+    for request_id, (status, slot, prompt, output, computed, blocks, max_tokens, priority,
+                     preemptions) in listed.items():
+        arrival_s = min(first_token.get(request_id, 0.0), 0.0)
+        r = retired.get(request_id)
+        reason = r.reason if r is not None else "unfinished"
+        aborted = reason in QUEUE_EXITS
+        ended_with = max_tokens if r is None or aborted else max(1, r.num_output_tokens)
+        trace = TraceRequest(request_id, arrival_s, prompt, max_tokens, priority, ended_with, reason,
+                             r.t - t0 - arrival_s if aborted else None)
+        in_flight.append(InFlight(trace, status, slot, output, computed, blocks, preemptions))
+    return tuple(in_flight), tuple(r for r in named if r not in listed)
 
 
 def _trace(path: str, events: list[ev.Event], t0: float) -> list[TraceRequest]:
@@ -196,6 +266,19 @@ def _weight_macs(engine: dict) -> tuple[int, int] | None:
     return tuple(macs) if macs else None
 
 
+def knobs_at_start(header: dict, events: list[ev.Event]) -> dict:
+    """The knobs in force when the recording began: the header's, each knob the recording changes as its
+    first change found it (a batching mode set before a recorder joined takes effect at the static
+    batch's end; the header has the value set)."""
+    knobs = dict(header.get("knobs") or {})
+    changed = set()
+    for e in events:
+        if isinstance(e, ev.KnobChanged) and e.name not in changed:
+            changed.add(e.name)
+            knobs[e.name] = e.old
+    return knobs
+
+
 def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -> EngineSetup:
     engine = dict(header.get("engine") or {})
     defaults = EngineConfig()
@@ -214,7 +297,7 @@ def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -
                 assumed.append(name)
     # The persistent batch only has to hold the longest request of the trace.
     max_model_len = max(r.num_prompt_tokens + r.max_tokens for r in requests)
-    knobs = {name: value for name, value in (header.get("knobs") or {}).items() if name in KNOBS}
+    knobs = {name: value for name, value in knobs_at_start(header, events).items() if name in KNOBS}
     missing = [name for name in KNOBS if name not in knobs]
     if "max_num_seqs" in missing or "max_num_batched_tokens" in missing:
         raise ValueError("the recording's header lacks the knobs max_num_seqs and max_num_batched_tokens")
@@ -237,7 +320,7 @@ def _vllm_setup(header: dict, events: list[ev.Event], requests: list[TraceReques
     """The harness's Limits: the header's `engine` entry (a harness run writes it), else the pool from
     the steps (plus vLLM's null block) and the harness's defaults, listed in `assumed`."""
     engine = dict(header.get("engine") or {})
-    knobs = {name: value for name, value in (header.get("knobs") or {}).items() if name in VLLM_KNOBS}
+    knobs = {name: value for name, value in knobs_at_start(header, events).items() if name in VLLM_KNOBS}
     if "max_num_seqs" not in knobs or "max_num_batched_tokens" not in knobs:
         raise ValueError("the recording's header lacks the knobs max_num_seqs and max_num_batched_tokens")
     knobs.setdefault("long_prefill_token_threshold", 0)

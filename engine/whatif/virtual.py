@@ -22,7 +22,7 @@ from batchtop.engine.core.scheduler_output import Row
 from batchtop.engine.core.step_events import Sink, StepEvents, StepTimes
 from batchtop.telemetry import events as ev
 
-from .recording import EngineSetup, TraceRequest
+from .recording import EngineSetup, InFlight, Recording, TraceRequest
 
 PROMPT_TOKEN, OUTPUT_TOKEN, STOP_TOKEN = 1, 1, 2
 
@@ -95,9 +95,9 @@ class VirtualEngine:
 
     # -- between steps --------------------------------------------------------------------
 
-    def add(self, item: TraceRequest, now: float) -> None:
+    def add(self, item: TraceRequest, now: float, announce: bool = True) -> None:
         """Take in a request that arrived at `item.arrival_s` and could enter at `item.entry_s` (at or
-        before `now`, a step boundary)."""
+        before `now`, a step boundary); its RequestArrived event where `announce`."""
         self.now = now
         request = Request(item.request_id, [PROMPT_TOKEN] * item.num_prompt_tokens,
                           SamplingParams(max_tokens=item.max_tokens), min(now, item.arrival_s),
@@ -106,9 +106,48 @@ class VirtualEngine:
         if item.stops:
             self._stops_at[item.request_id] = item.num_output_tokens
         self.scheduler.add(request)
-        self._emit(ev.RequestArrived, request_id=item.request_id, num_prompt_tokens=item.num_prompt_tokens,
-                   max_tokens=item.max_tokens, priority=item.priority,
-                   since_arrival_s=now - request.arrival_time, input_s=item.input_s)
+        if announce:
+            self._emit(ev.RequestArrived, request_id=item.request_id,
+                       num_prompt_tokens=item.num_prompt_tokens, max_tokens=item.max_tokens,
+                       priority=item.priority, since_arrival_s=now - request.arrival_time,
+                       input_s=item.input_s)
+
+    def take_in_flight(self, rec: Recording, now: float) -> None:
+        """Start from the requests a recording joined, as its first snapshot had them (`InFlight`), and
+        from retraction's estimate then, where it says."""
+        for item in rec.in_flight:
+            self._take_in_flight(item, now)
+        if rec.start_new_token_ratio is not None:
+            self.scheduler.new_token_ratio = rec.start_new_token_ratio
+
+    def _take_in_flight(self, item: InFlight, now: float) -> None:
+        """A running request (or a static batch's padding row) in its row of the batch with its computed
+        tokens and KV blocks, a waiting or preempted one at the back of the queue; no arrival event (the
+        recording holds none)."""
+        self.add(item.request, now, announce=False)
+        request = self.requests[item.request.request_id]
+        request.output_token_ids = [OUTPUT_TOKEN] * item.num_output_tokens
+        if item.num_output_tokens:
+            request.first_token_time = request.arrival_time      # its first token came before: none again
+        request.num_preemptions = item.num_preemptions
+        if item.status == "preempted":
+            request.status = Status.PREEMPTED
+        if item.status not in ("running", "padding"):
+            return
+        self.scheduler.waiting.remove(request)
+        tokens = max(item.num_computed_tokens, (item.num_blocks - 1) * self.kv.block_size + 1)
+        if item.num_blocks and self.kv.try_allocate(request.request_id, tokens) is None:
+            raise ValueError(f"{request.request_id}: its {item.num_blocks} KV blocks at the recording's "
+                             f"start do not fit the pool of {self.setup.num_kv_blocks}")
+        request.num_computed_tokens, request.admit_time = item.num_computed_tokens, now
+        if item.status == "padding":
+            request.status, request.finish_reason = Status.FINISHED, "length"
+            self.scheduler.padding.append(request)
+        else:
+            request.status = Status.RUNNING
+            self.scheduler.running.append(request)
+        self.batch.place(request.request_id, item.slot, request.all_token_ids)
+        self.batch.sync_blocks(request.request_id, self.kv.block_ids(request.request_id))
 
     def abort(self, request_id: str, now: float, reason: str = "abort") -> bool:
         request = self.requests.get(request_id)

@@ -241,3 +241,16 @@ def test_a_version_2_log_reads_with_nothing_cached(tmp_path):
         _, (admitted, planned) = read_log(path)
         assert (admitted.num_cached_tokens, admitted.miss_reason, admitted.prefix_id) == (0, "", "")
         assert planned.kv_blocks_cached == 0 and planned.kv_blocks_used == 3
+
+
+def test_a_version_5_snapshot_reads_with_its_priorities_and_preemptions_unknown(tmp_path):
+    """Version 6 added what a replay that starts from a snapshot needs; a version 5 one reads without it."""
+    path = tmp_path / "v5.jsonl"
+    path.write_text('{"kind":"Header","schema_version":5}\n'
+                    '{"kind":"EngineSnapshot","step":3,"t":1.0,"cause":"subscribe","request_ids":["a"],'
+                    '"statuses":["running"],"slots":[0],"num_prompt_tokens":[9],"num_output_tokens":[2],'
+                    '"num_computed_tokens":[10],"num_blocks":[1],"max_tokens":[8],"kv_blocks_used":1,'
+                    '"kv_blocks_total":8,"kv_blocks_cached":0}\n')
+    _, (snapshot,) = read_log(path)
+    assert snapshot.priorities == () and snapshot.num_preemptions == () and snapshot.new_token_ratio is None
+    assert snapshot.num_computed_tokens == (10,)

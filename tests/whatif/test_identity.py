@@ -1,6 +1,9 @@
 """Identity replay: a tiny-model recording re-scheduled by the same scheduler on the recorded step times
 plans the recorded step at every step, under chunked prefill, both preemption modes, aborts, priority,
 static batching and live knob changes."""
+import pytest
+from whatif_helpers import KNOB_PLAN, record_engine
+
 from batchtop.engine.whatif.grid import format_table, whatif
 from batchtop.engine.whatif.recording import recording_from
 from batchtop.engine.whatif.replay import replay_identity, signatures
@@ -29,18 +32,42 @@ def test_a_different_knob_changes_the_schedule_and_the_comparison_sees_it(record
     assert identity.first_mismatch is not None and identity.match_share < 1.0
 
 
-def test_a_recording_joined_mid_run_names_the_requests_in_flight_at_its_start(recording):
-    """A recorder that joins a busy engine holds no arrival for the requests already running or waiting:
-    they are named, counted in the what-if's output, and a whole recording has none."""
+@pytest.mark.parametrize("join_at, layout", [(37, "condense"), (62, "condense"), (100, "condense"),
+                                             (62, "indexmap")])
+def test_a_recording_joined_mid_run_replays_from_its_snapshot_step_for_step(tiny, join_at, layout):
+    """A recorder that joins a busy engine starts with the engine's snapshot and holds no arrival for the
+    requests then in flight. The replay starts from them as the snapshot had them (running ones in their
+    rows with their KV blocks, static padding rows, the queue in its order, priorities, preemptions,
+    retraction's estimate, a batching mode set but not yet in force): every step as recorded, under
+    retraction (37), in a static batch (62), just after it (100), and with the index-map layout."""
+    rec = record_engine(tiny, steps=120, seed=3, policy="priority", knob_plan=KNOB_PLAN, layout=layout,
+                        join_at=join_at)
+    snapshot = rec.events[0]
+    assert snapshot.cause == "subscribe" and len(rec.in_flight) >= 8 and rec.unseen == ()
+    assert {item.request.request_id for item in rec.in_flight} == set(snapshot.request_ids)
+    assert {item.status for item in rec.in_flight} >= {"running", "waiting"}
+    identity = replay_identity(rec)
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    assert signatures(identity.events) == signatures(rec.events)
+    result = whatif(rec, {"max_num_seqs": [2]})
+    assert "requests were in flight when the recording began" in format_table(result)
+    assert result.to_dict()["in_flight_at_start"] == len(rec.in_flight)
+
+    def tokens(events) -> int:
+        return sum(len(e.sampled_request_ids) for e in events if isinstance(e, ev.StepFinished))
+    assert {tokens(run.events) for run in result.runs} == {tokens(rec.events)}     # the whole recorded load
+
+
+def test_a_request_named_without_arrival_or_snapshot_is_left_out_and_said_so(recording):
+    """Events from the middle of a run with no snapshot (a log cut at its start): the requests they name
+    that arrived before are left out, and the what-if says so."""
     join = 40
     arrived_before = {e.request_id for e in recording.events
                       if isinstance(e, ev.RequestArrived) and e.step < join}
-    joined = [e for e in recording.events if e.step >= join]
+    joined = [e for e in recording.events if e.step >= join and not isinstance(e, ev.EngineSnapshot)]
     named_after = {e.request_id for e in joined if hasattr(e, "request_id")}
     rec = recording_from(recording.header, joined)
-    assert set(rec.in_flight) == arrived_before & named_after and len(rec.in_flight) >= 3
-    assert not set(rec.in_flight) & {r.request_id for r in rec.requests}
-    assert recording.in_flight == ()
-    table = format_table(whatif(rec, {}))
-    assert f"{len(rec.in_flight)} requests were in flight when the recording began" in table
-    assert whatif(recording, {}).to_dict()["in_flight_at_start"] == 0
+    assert set(rec.unseen) == arrived_before & named_after and len(rec.unseen) >= 3
+    assert rec.in_flight == () and recording.in_flight == recording.unseen == ()
+    assert f"{len(rec.unseen)} requests were in flight when the recording began and are left out" in \
+        format_table(whatif(rec, {}))

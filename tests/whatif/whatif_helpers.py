@@ -18,23 +18,36 @@ from batchtop.engine.whatif.replay import run_whatif
 from batchtop.engine.whatif.virtual import PhaseTimes, StepShape
 from batchtop.telemetry.recorder import encode_event, make_header
 
+# (step, knob, value): chunked prefill tightened, both preemption modes, a static stretch, the budget.
+KNOB_PLAN = [(20, "long_prefill_token_threshold", 8), (35, "preemption_mode", "retract"),
+             (50, "max_num_batched_tokens", 24), (60, "batching_mode", "static"),
+             (80, "batching_mode", "continuous"), (90, "preemption_mode", "recompute"),
+             (95, "max_num_batched_tokens", 64)]
+
 
 def record_engine(loaded, *, steps: int = 300, seed: int = 0, knob_plan=(), abort_share: float = 0.04,
-                  **config) -> Recording:
+                  join_at: int = 0, **config) -> Recording:
     """A tiny-model run of `steps` steps under random arrivals (prompts 1-40 tokens, outputs 1-30, some
-    ending on a stop id), random aborts of running and waiting requests, and `knob_plan` changes."""
+    ending on a stop id), random aborts of running and waiting requests, and `knob_plan` changes;
+    with `join_at`, what a recorder that joined before that step holds (the engine's snapshot first, as
+    a dashboard that joins a running engine asks for)."""
     settings = dict(model="tiny", num_kv_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=48,
                     long_prefill_token_threshold=16, batch_capacity=8, max_model_len=128,
                     snapshot_interval_steps=97, flight_recorder_steps=0,
                     enable_prefix_caching=False)      # the what-if replays counts, not tokens: no cache
     settings.update(config)
     events: list = []
-    engine = Engine(EngineConfig(**settings), sink=events.append, loaded=loaded)
+    joined = [not join_at]
+    engine = Engine(EngineConfig(**settings), sink=lambda e: joined[0] and events.append(e), loaded=loaded)
     header = make_header("tiny", engine.knobs(),
                          engine=engine_header(engine))
     rng = random.Random(seed)
     plan = {step: (name, value) for step, name, value in knob_plan}
     for step in range(1, steps + 1):
+        if step == join_at:
+            joined[0] = True
+            header = make_header("tiny", engine.knobs(), engine=engine_header(engine))
+            events.append(engine.snapshot("subscribe"))
         for _ in range(rng.choice((0, 0, 1, 1, 2))):
             prompt = [rng.randrange(100, 5000) for _ in range(rng.randint(1, 40))]
             engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True),
