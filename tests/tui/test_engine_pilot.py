@@ -129,6 +129,36 @@ async def test_record_from_the_dashboard_then_replay_it(source, tmp_path):
 
 
 
+async def test_a_recording_begun_on_a_busy_engine_replays_from_its_snapshot(source, tmp_path):
+    """Recording starts while requests run and wait: the log begins with the engine's snapshot, and a
+    what-if of it starts from them, every step as recorded."""
+    from batchtop.engine.whatif.recording import read_recording
+    from batchtop.engine.whatif.replay import replay_identity
+    path = tmp_path / "joined.jsonl"
+    app = BatchtopApp(source, tick_s=None)
+    async with app.run_test(size=(120, 40)) as pilot:
+        source.toggle_pause()
+        # 8 rows run, 4 wait; prompts that share no block (a what-if replays token counts, not tokens)
+        busy = [source.loop.add_request([1000 * i + j for j in range(20 + i)],
+                                        SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(12)]
+        for _ in range(5):
+            source.step_once()
+        barrier(source)
+        await pilot.press("r", *(["backspace"] * 40), *str(path), "enter")
+        assert source.recording == str(path)
+        source.toggle_pause()
+        add_requests(source, 3, max_tokens=6)
+        while any(not source.engine.requests[r].finished for r in list(source.engine.requests)):
+            barrier(source)
+        await pilot.press("r")
+    rec = read_recording(str(path))
+    assert type(rec.events[0]).__name__ == "EngineSnapshot" and rec.setup.assumed == ()
+    assert {item.request.request_id for item in rec.in_flight} == set(busy) and rec.unseen == ()
+    assert {item.status for item in rec.in_flight} == {"running", "waiting"}
+    identity = replay_identity(rec)
+    assert identity.num_steps > 20 and identity.match_share == 1.0
+
+
 async def test_z_cycles_the_scenarios_on_the_live_engine(source):
     app = BatchtopApp(source, tick_s=None)
     async with app.run_test(size=(120, 40)) as pilot:

@@ -133,15 +133,18 @@ class EngineSource(Source):
         return self._recorder.path if self._recorder is not None else None
 
     def start_recording(self, path: str) -> str | None:
+        from batchtop.engine.whatif.recording import engine_header
         from batchtop.telemetry.recorder import Recorder
         if self._recorder is not None:
             return f"already recording to {self._recorder.path}"
         try:
             self._recorder = Recorder(path, model=self.meta.get("model"), knobs=self._current_knobs(),
                                       bus=self.bus,
-                                      header_extra={k: v for k, v in self.meta.items() if k != "model"})
+                                      header_extra={**{k: v for k, v in self.meta.items() if k != "model"},
+                                                    "engine": engine_header(self.engine)})
         except OSError as error:
             return f"cannot record to {path}: {error}"
+        self.loop.request_snapshot("subscribe")  # a recording begun on a busy engine starts from its state
         return None
 
     def _current_knobs(self) -> dict:
