@@ -251,8 +251,8 @@ def test_a_stream_closed_by_the_openai_client_retires_as_abort_and_frees_its_blo
 
 
 def test_tune_applies_its_choice_to_vllm_live_and_verifies_from_the_stream(vllm_server, tmp_path, capsys):
-    """The postmortem loop on a real vLLM: a recording taken from its side endpoint (joined while it was idle,
-    after other tests' load), `tune` over it through vLLM's own scheduler, `--apply` to the same server
+    """The postmortem loop on a real vLLM: a recording taken from its side endpoint (joined after other
+    tests' load), `tune` over it through vLLM's own scheduler, `--apply` to the same server
     behind its API key, and `--verify` reading the live events while requests keep coming."""
     base_url, events_url = vllm_server[0].url, vllm_server[1]
     turn(events_url, "max_num_seqs", 8)
@@ -266,8 +266,8 @@ def test_tune_applies_its_choice_to_vllm_live_and_verifies_from_the_stream(vllm_
     async def recorded_load():
         async with _client(base_url) as client:
             tasks = []
-            for i in range(10):
-                tasks.append(asyncio.ensure_future(_completion(client, f"Request {i}: tell a story.", 16)))
+            for i in range(6):
+                tasks.append(asyncio.ensure_future(_completion(client, f"Request {i}: tell a story.", 8)))
                 await asyncio.sleep(0.1)
             return await asyncio.gather(*tasks)
 
@@ -275,18 +275,18 @@ def test_tune_applies_its_choice_to_vllm_live_and_verifies_from_the_stream(vllm_
         with httpx.Client(base_url=base_url, timeout=120) as client:
             while not stop.is_set():
                 client.post("/v1/completions", json={"model": "smollm2", "prompt": "Once upon a time",
-                                                     "max_tokens": 8, "ignore_eos": True})
+                                                     "max_tokens": 4, "ignore_eos": True})
 
     try:
         asyncio.run(recorded_load())
-        events = recorder.wait_for(lambda evs: sum(isinstance(e, ev.RequestRetired) for e in evs) >= 10)
+        events = recorder.wait_for(lambda evs: sum(isinstance(e, ev.RequestRetired) for e in evs) >= 6)
         state = httpx.get(f"{events_url}/v1/knobs", headers=AUTH, timeout=10).json()
         path = write_recording(tmp_path / "vllm.jsonl", vllm_header(state), events)
         clients = [threading.Thread(target=load, daemon=True) for _ in range(2)]
         for client in clients:
             client.start()
         code = main(["tune", str(path), "--slo", "ttft_p99=60s", "--knob", "max_num_seqs=2,3", "--apply",
-                     events_url, "--api-key", EVENTS_API_KEY, "--verify", "3", "--json"])
+                     events_url, "--api-key", EVENTS_API_KEY, "--verify", "2", "--json"])
         stop.set()
         report = json.loads(capsys.readouterr().out)
         live = start_value(events_url, "max_num_seqs")
@@ -295,8 +295,9 @@ def test_tune_applies_its_choice_to_vllm_live_and_verifies_from_the_stream(vllm_
         recorder.close()
         turn(events_url, "max_num_seqs", 8)
     assert code == 0
-    assert read_recording(str(path)).setup.vllm["version"] == "0.32"       # tuned through vLLM's scheduler
-    assert report["in_flight_at_start"] == 0
+    rec = read_recording(str(path))
+    assert rec.setup.vllm["version"] == "0.32"                             # tuned through vLLM's scheduler
+    assert len(rec.requests) >= 6                                          # the recorded load's trace
     best = report["best"]["knobs"]
     assert best["max_num_seqs"] in (2, 3) and live == best["max_num_seqs"]
     assert report["measured"]["knobs"] == best and report["measured"]["steps"] > 0
