@@ -170,6 +170,7 @@ def read_recording(path: str, engine: str | None = None) -> Recording:
 
 def recording_from(header: dict, events: list[ev.Event], path: str = "<events>") -> Recording:
     """A recording of events already read (a log, or an engine's sink in a test)."""
+    events = _from_its_snapshot(events)
     steps = [e for e in events if isinstance(e, ev.StepFinished)]
     if not steps:
         raise ValueError(f"{path}: no StepFinished events: nothing to fit step times on")
@@ -194,6 +195,26 @@ def _start_new_token_ratio(events: list[ev.Event]) -> float | None:
         if isinstance(e, ev.StepPlanned):
             return None
     return None
+
+
+def _from_its_snapshot(events: list[ev.Event]) -> list[ev.Event]:
+    """A recording joined mid-run from the snapshot its recorder asked for on: the events before it (the
+    end of a step under way as the recorder joined) name requests it holds no arrival for, and the
+    snapshot has the state after them."""
+    arrived: set[str] = set()
+    nameless = False
+    for k, e in enumerate(events):
+        kind = type(e)
+        if kind is ev.EngineSnapshot:
+            return events[k:] if nameless else events
+        if kind is ev.RequestArrived:
+            arrived.add(e.request_id)
+        elif kind is ev.StepFinished:
+            nameless = nameless or not arrived.issuperset(e.sampled_request_ids)
+        else:
+            request_id = getattr(e, "request_id", None)
+            nameless = nameless or (request_id is not None and request_id not in arrived)
+    return events
 
 
 def _in_flight(events: list[ev.Event], requests: list[TraceRequest],

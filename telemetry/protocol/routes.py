@@ -1,7 +1,7 @@
 """The event and control routes, one APIRouter over a small host interface both servers implement.
 
 Routes: GET /health, GET /v1/events (SSE, resumable: stream.py), GET and POST /v1/knobs,
-POST /v1/pause, /v1/resume, /v1/step, /v1/requests/{id}/abort. A host (`batchtop serve`'s
+POST /v1/pause, /v1/resume, /v1/step, /v1/snapshot, /v1/requests/{id}/abort. A host (`batchtop serve`'s
 engine loop, batchtop's scheduler inside vLLM) says what its knobs are (`Knob` rows), queues
 commands on its `CommandQueue`, and moves its events into its `EventRing`; everything the
 routes answer is built here, so both servers answer alike. While `failure` is set (batchtop's
@@ -148,6 +148,13 @@ class ControlHost(ABC):
         self._queue(self.commands.step_once)
         return {"paused": True, "steps_granted": 1}
 
+    def snapshot(self) -> dict:
+        """POST /v1/snapshot: every live request's state on the stream before the next step (a recording
+        that begins on a running engine starts from it)."""
+        self.check_working()
+        self.submit(lambda: self.emit_snapshot("request"), key="snapshot")
+        return {"snapshot": "before the next step"}
+
     def request_snapshot(self, cause: str) -> None:
         """Before the next step, one snapshot; asks while one waits coalesce into it."""
         if self.failure is not None:
@@ -231,6 +238,11 @@ def protocol_router(host: ControlHost, responses: dict | None = None) -> APIRout
     @router.post("/v1/step", responses={**responses, 409: {"description": "not paused"}})
     async def step():
         return answer(host.step)
+
+    @router.post("/v1/snapshot", responses=responses,
+                 description="An EngineSnapshot on the event stream before the next step.")
+    async def snapshot():
+        return answer(host.snapshot)
 
     @router.post("/v1/requests/{request_id}/abort", responses=responses)
     async def abort(request_id: str):

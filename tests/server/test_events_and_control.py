@@ -10,7 +10,7 @@ from server_helpers import wait_idle
 
 from batchtop.engine.server.app import ServerThread
 from batchtop.engine.server.host import BatchtopServer
-from batchtop.telemetry.events import SCHEMA_VERSION, EventsDropped, KnobChanged, StepFinished
+from batchtop.telemetry.events import SCHEMA_VERSION, EngineSnapshot, EventsDropped, KnobChanged, StepFinished
 from batchtop.telemetry.protocol import stream
 from batchtop.tui.sources.remote import RemoteSource
 
@@ -179,6 +179,9 @@ def test_remote_source_follows_controls_and_resumes(served):
         assert source.toggle_pause() is None and source.paused
         assert source.toggle_pause() is None and not source.paused
         assert "no unfinished request" in source.abort("nope")
+        assert source.request_snapshot() is None           # what a recording that begins now starts from
+        events += _poll_until(source, lambda evs: any(isinstance(e, EngineSnapshot) and e.cause == "request"
+                                                      for e in evs))
         source.set_knob("long_prefill_token_threshold", 0)
         seq_before = source.last_seq
 

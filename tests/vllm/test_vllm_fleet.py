@@ -139,6 +139,9 @@ def test_fleet_over_two_serves_and_a_real_vllm(vllm_server, serves, tmp_path):
             await until(pilot, app, lambda: retired_in(path) == {"serve-8", "serve-2", "vllm"},
                         "each engine's finished request in the recording")
             app.fleet.stop_recording()
+            for name in ("serve-8", "serve-2", "vllm"):      # each part starts from its engine's state
+                assert any(isinstance(e, ev.EngineSnapshot) and e.cause == "request"
+                           for e in read_recording(path, name).events), name
             served = read_recording(path, "vllm")
             state = httpx.get(events_url + "/v1/knobs", headers=AUTH, timeout=10).json()
             assert served.setup.assumed == () and served.setup.vllm["version"] == "0.32"

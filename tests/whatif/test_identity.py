@@ -71,3 +71,20 @@ def test_a_request_named_without_arrival_or_snapshot_is_left_out_and_said_so(rec
     assert rec.in_flight == () and recording.in_flight == recording.unseen == ()
     assert f"{len(rec.unseen)} requests were in flight when the recording began and are left out" in \
         format_table(whatif(rec, {}))
+
+
+def test_the_end_of_a_step_under_way_before_the_joining_snapshot_is_left_out(tiny):
+    """A recorder that joins while a step runs gets that step's last events before the snapshot it asked
+    for (the snapshot has the state after them): the replay starts at the snapshot, every step as
+    recorded."""
+    whole = record_engine(tiny, steps=120, seed=3, policy="priority", knob_plan=KNOB_PLAN)
+    joined = record_engine(tiny, steps=120, seed=3, policy="priority", knob_plan=KNOB_PLAN, join_at=62)
+    snapshot = joined.events[0]
+    finished = next(k for k, e in enumerate(whole.events)
+                    if isinstance(e, ev.StepFinished) and e.step == snapshot.step)
+    tail = [e for e in whole.events[finished:] if e.step == snapshot.step]
+    assert isinstance(tail[0], ev.StepFinished) and tail[0].sampled_request_ids  # requests with no arrival
+    rec = recording_from(joined.header, tail + joined.events)
+    assert rec.events[0] is snapshot and rec.unseen == ()
+    identity = replay_identity(rec)
+    assert identity.first_mismatch is None and identity.match_share == 1.0

@@ -322,6 +322,8 @@ class FleetScreen(Screen):
         self._recorded_as = {m.name: m.name for m in streaming}
         for member in self._recorded:
             member.tap(self._record)
+        for member in streaming:     # each begins from its engine's state: a what-if replays from it
+            self._send(member, "snapshot", lambda source: source.request_snapshot())
         words = [f"recording {len(streaming)} engines to {path}"]
         if waiting:
             words.append(f"{len(waiting)} more from when they stream")

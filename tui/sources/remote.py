@@ -257,6 +257,10 @@ class RemoteSource(Source):
     def abort(self, request_id: str) -> str | None:
         return self._post(f"/v1/requests/{request_id}/abort")
 
+    def request_snapshot(self) -> str | None:
+        """The server's EngineSnapshot on this stream before its next step."""
+        return self._post("/v1/snapshot")
+
     def close(self) -> None:
         self._stop.set()
         response = self._response
