@@ -96,6 +96,7 @@ class Recording:
     in_flight: tuple[InFlight, ...] = ()   # requests in its first snapshots that arrived before it began
     unseen: tuple[str, ...] = ()           # others its events name without an arrival, in no snapshot
     start_new_token_ratio: float | None = None   # retraction's estimate in a snapshot before its first step
+    num_before_snapshot: int = 0           # events before its joining snapshot: left out
 
     @property
     def model(self) -> str | None:
@@ -117,6 +118,9 @@ class Recording:
             words.append(f"{len(left_out)} requests were in flight when the recording began and are left out "
                          "(it holds no arrival for them), so every run starts with less load than the "
                          "recorded one and the identity replay differs while they run")
+        if self.num_before_snapshot:
+            words.append(f"its first {self.num_before_snapshot} events, before the snapshot it starts from, "
+                         "are left out")
         return "; ".join(words) or None
 
     def in_flight_ids(self) -> tuple[str, ...]:
@@ -170,7 +174,7 @@ def read_recording(path: str, engine: str | None = None) -> Recording:
 
 def recording_from(header: dict, events: list[ev.Event], path: str = "<events>") -> Recording:
     """A recording of events already read (a log, or an engine's sink in a test)."""
-    events = _from_its_snapshot(events)
+    whole, events = len(events), _from_its_snapshot(events)
     steps = [e for e in events if isinstance(e, ev.StepFinished)]
     if not steps:
         raise ValueError(f"{path}: no StepFinished events: nothing to fit step times on")
@@ -183,7 +187,7 @@ def recording_from(header: dict, events: list[ev.Event], path: str = "<events>")
         header, events, requests + [item.request for item in in_flight])
     changes = [(e.t - t0, e.name, e.new) for e in events if isinstance(e, ev.KnobChanged)]
     return Recording(path, header, events, t0, requests, setup, changes, in_flight, unseen,
-                     _start_new_token_ratio(events))
+                     _start_new_token_ratio(events), whole - len(events))
 
 
 def _start_new_token_ratio(events: list[ev.Event]) -> float | None:

@@ -85,6 +85,8 @@ def test_the_end_of_a_step_under_way_before_the_joining_snapshot_is_left_out(tin
     tail = [e for e in whole.events[finished:] if e.step == snapshot.step]
     assert isinstance(tail[0], ev.StepFinished) and tail[0].sampled_request_ids  # requests with no arrival
     rec = recording_from(joined.header, tail + joined.events)
-    assert rec.events[0] is snapshot and rec.unseen == ()
+    assert rec.events[0] is snapshot and rec.unseen == () and rec.num_before_snapshot == len(tail)
+    assert f"its first {len(tail)} events, before the snapshot it starts from, are left out" in \
+        rec.in_flight_words()
     identity = replay_identity(rec)
     assert identity.first_mismatch is None and identity.match_share == 1.0
