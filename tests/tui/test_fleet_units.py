@@ -4,6 +4,7 @@ engine, replayed and exported."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from command_helpers import error_lines
@@ -165,6 +166,10 @@ class _FakeStream:
         self.knobs, self.meta = {"max_num_seqs": 4}, {"model": "tiny", "device": "cpu", "url": url}
         self.connected, self.paused, self.last_error = True, False, None
         self.polls: list = []
+        self.snapshots = threading.Event()       # a snapshot was asked for
+
+    def request_snapshot(self):
+        self.snapshots.set()
 
     def poll(self):
         from batchtop.tui.sources import Poll
@@ -205,6 +210,7 @@ def test_the_fleet_recording_takes_engines_that_join_late_and_names_the_scraped(
     said = screen.start_recording(str(path))
     assert said == (f"recording 1 engines to {path} (1 more from when they stream; "
                     "1 without an event stream are not recorded)")
+    assert a.source.snapshots.wait(5)                       # its part starts from the engine's state
     _feed(a, ["a1"], step=1)
     late.flavour, late.source = "events", _FakeStream(late.url)       # up after `r`: joins now
     _feed(late, ["l1", "l2"], reset=True)

@@ -9,6 +9,7 @@ dashboard over the same source (Esc comes back); the members keep following thei
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
 
@@ -322,8 +323,9 @@ class FleetScreen(Screen):
         self._recorded_as = {m.name: m.name for m in streaming}
         for member in self._recorded:
             member.tap(self._record)
-        for member in streaming:     # each begins from its engine's state: a what-if replays from it
-            self._send(member, "snapshot", lambda source: source.request_snapshot())
+        for member in streaming:     # each part begins from its engine's state: a what-if replays from it
+            threading.Thread(target=member.source.request_snapshot, daemon=True,
+                             name=f"snapshot-{member.name}").start()
         words = [f"recording {len(streaming)} engines to {path}"]
         if waiting:
             words.append(f"{len(waiting)} more from when they stream")
