@@ -116,7 +116,7 @@ def cmd_tune(args) -> int:
     result = tune(rec, grid, slo, scales)
     best = result.best
     report = {"slo_s": slo, "step_scales": scales, "heldout_mape": result.heldout_mape,
-              "in_flight_at_start": len(rec.in_flight) + len(rec.unseen),
+              "in_flight_at_start": rec.num_in_flight,
               "best": best.row() if best else None, "runs": [run.row() for run in result.runs]}
     lines = [f"tuned {', '.join(grid)} over {len(result.runs)} what-if runs of {rec.path} "
              f"(step-time fit: held-out MAPE {result.heldout_mape:.1%}); SLO "

@@ -76,7 +76,7 @@ class WhatIf:
         law = self.model.forward
         return {"recording": self.recording.path, "model": self.recording.model,
                 "setup": self.recording.setup.to_dict(), "assumed": list(self.recording.setup.assumed),
-                "in_flight_at_start": len(self.recording.in_flight) + len(self.recording.unseen),
+                "in_flight_at_start": self.recording.num_in_flight,
                 "knobs": self.recording.setup.knobs,
                 "identity": {"steps": self.identity.num_steps, "matching": self.identity.num_matching,
                              "share": self.identity.match_share,

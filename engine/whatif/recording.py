@@ -105,7 +105,7 @@ class Recording:
     def in_flight_words(self) -> str | None:
         """What a what-if does with a recording joined mid-run, in a sentence; None for a whole one."""
         if self.setup.vllm is not None:        # vLLM's harness takes in the trace alone
-            joined, left_out = (), self.in_flight_ids() + self.unseen
+            joined, left_out = (), self.in_flight + self.unseen
         else:
             joined, left_out = self.in_flight, self.unseen
         words = []
@@ -123,8 +123,10 @@ class Recording:
                          "are left out")
         return "; ".join(words) or None
 
-    def in_flight_ids(self) -> tuple[str, ...]:
-        return tuple(item.request.request_id for item in self.in_flight)
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in flight when the recording began: those its snapshot lists and those it does not."""
+        return len(self.in_flight) + len(self.unseen)
 
     @property
     def steps(self) -> list[ev.StepFinished]:
