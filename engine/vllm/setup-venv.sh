@@ -44,7 +44,8 @@ esac
 # pip brings torchvision/torchaudio/torchcodec builds that do not match this torch, and then
 # `import transformers` fails ("operator torchvision::nms does not exist")
 $pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null
-$pip install --no-deps -e . || fail "pip install --no-deps -e . (batchtop) failed"
+# EDITABLE_LOCK (the Makefile's): the other environments' editable installs write the same egg-info
+${EDITABLE_LOCK:-} $pip install --no-deps -e . || fail "pip install --no-deps -e . (batchtop) failed"
 "$venv/bin/python" -c "import vllm, batchtop.telemetry" || fail "import vllm failed in $venv"
 "$venv/bin/python" -c "import vllm.v1.core.sched.scheduler" || fail "vLLM's scheduler does not import in $venv"
 exit 0
