@@ -18,7 +18,8 @@ from dataclasses import dataclass, fields
 # 4: RequestArrived's since_arrival_s
 # 5: RequestArrived's input_s
 # 6: EngineSnapshot's priorities, num_preemptions and new_token_ratio (a replay can start from one)
-SCHEMA_VERSION = 6
+# 7: RequestArrived's prompt_blocks (a replay shares prefixes as the recorded prompts did)
+SCHEMA_VERSION = 7
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +90,9 @@ class RequestArrived(Event):
     priority: int
     since_arrival_s: float = 0.0
     input_s: float = 0.0
+    # The prompt's full blocks, each named by its prefix-cache hash (short hex, as prefix_id), where the
+    # engine caches prefixes (empty where it does not): equal names, equal leading tokens.
+    prompt_blocks: tuple[str, ...] = ()
 
     @property
     def arrival_t(self) -> float:

@@ -28,7 +28,7 @@ from .bus import EventBus, EventLog, Subscription
 from .events import SCHEMA_VERSION, Event, event_from_dict
 
 HEADER_KIND = "Header"
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4, 5, SCHEMA_VERSION})
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4, 5, 6, SCHEMA_VERSION})
 
 # Version 1 lacked: StepPlanned's recompute split (its prefill counted recompute), PrefillChunk's
 # recompute flag, RequestAdmitted's / RequestRetired's wait split, RequestRetired's num_blocks and
@@ -58,10 +58,13 @@ _V3_DEFAULTS = {"RequestArrived": {"since_arrival_s": 0.0}}
 _V4_DEFAULTS = {"RequestArrived": {"input_s": 0.0}}
 # Version 5's snapshots did not say the requests' priorities and preemptions or retraction's estimate.
 _V5_DEFAULTS = {"EngineSnapshot": {"priorities": [], "num_preemptions": [], "new_token_ratio": None}}
+# Version 6 did not name a request's prompt blocks.
+_V6_DEFAULTS = {"RequestArrived": {"prompt_blocks": []}}
 
 
 # What each version lacked, by version: an older event gets each later version's defaults in turn.
-_LACKED = {1: _V1_DEFAULTS, 2: _V2_DEFAULTS, 3: _V3_DEFAULTS, 4: _V4_DEFAULTS, 5: _V5_DEFAULTS}
+_LACKED = {1: _V1_DEFAULTS, 2: _V2_DEFAULTS, 3: _V3_DEFAULTS, 4: _V4_DEFAULTS, 5: _V5_DEFAULTS,
+           6: _V6_DEFAULTS}
 
 
 def upgrade(data: dict, version: int) -> dict:

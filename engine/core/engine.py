@@ -187,7 +187,8 @@ class Engine:
                    num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.sampling.max_tokens,
                    priority=request.priority,
                    since_arrival_s=max(0.0, time.monotonic() - request.arrival_time),
-                   input_s=request.input_s)
+                   input_s=request.input_s,
+                   prompt_blocks=tuple(self.kv.prompt_blocks(request.request_id, request.prompt_token_ids)))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (a long-running engine calls this once its result is read)."""

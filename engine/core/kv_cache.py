@@ -138,7 +138,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return CacheLookup((), 0, 0, DISABLED)
         num_full = (len(token_ids) - 1) // self.block_size
-        hashes = self._chain(request_id, token_ids, num_full)
+        hashes = self._chain(request_id, token_ids, num_full)[:num_full]
         hit: list[int] = []
         for h in hashes[:num_full]:
             block = self._cached.get(h)
@@ -156,6 +156,14 @@ class KVCacheManager:
             return replace(found, reason=PARTIAL)
         matched = self._first_blocks.longest_match(token_ids)
         return replace(found, reason=BELOW_BLOCK if matched else NO_PREFIX, num_matched_tokens=matched)
+
+    def prompt_blocks(self, request_id: str, prompt_token_ids: list[int]) -> list[str]:
+        """A new request's full prompt blocks, each by its hash's short name (its admission's lookup
+        reuses the chain); none where caching is off."""
+        if not self.enable_caching:
+            return []
+        num_full = len(prompt_token_ids) // self.block_size
+        return [prefix_id(h) for h in self._chain(request_id, prompt_token_ids, num_full)]
 
     def _chain(self, request_id: str, token_ids: list[int], num_full: int) -> list[bytes]:
         """The hashes of the first `num_full` full blocks of `token_ids`, extending the request's chain."""

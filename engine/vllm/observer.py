@@ -86,7 +86,8 @@ class StepObserver:
         self._wait_marks[request.request_id] = self.wait_clock.mark(time.monotonic())
         self._emit(ev.RequestArrived, request_id=request.request_id,
                    num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.max_tokens,
-                   priority=request.priority, since_arrival_s=max(0.0, time.time() - request.arrival_time))
+                   priority=request.priority, since_arrival_s=max(0.0, time.time() - request.arrival_time),
+                   prompt_blocks=self.cache.prompt_blocks(request) if self.cache is not None else ())
 
     def finished_outside(self, requests) -> None:
         """Requests that `finish_requests()` ended (aborts from the API server)."""

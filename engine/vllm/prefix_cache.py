@@ -86,6 +86,14 @@ class PrefixCacheWatch:
         """Free blocks that still hold a hash: a later request may hit them until vLLM evicts them."""
         return len(self._free_cached)
 
+    def prompt_blocks(self, request) -> tuple[str, ...]:
+        """A new request's full prompt blocks, each by its hash's short name (vLLM hashed them as it
+        made the request); none where caching is off."""
+        if not self.enabled:
+            return ()
+        num_full = request.num_prompt_tokens // self.block_size
+        return tuple(prefix_id(h) for h in request.block_hashes[:num_full])
+
     # -- one step ------------------------------------------------------------------------------
 
     def preempting(self, request_id: str) -> None:

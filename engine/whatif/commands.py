@@ -122,8 +122,7 @@ def cmd_tune(args) -> int:
              f"(step-time fit: held-out MAPE {result.heldout_mape:.1%}); SLO "
              + ", ".join(f"{k} <= {v:g}s" for k, v in slo.items())
              + (" at step times " + ", ".join(f"{f:g}x" for f in scales) if scales != (1.0,) else "")]
-    if joined := rec.in_flight_words():
-        lines.append(joined)
+    lines += rec.replay_words()
     lines.append("no value meets the SLO" if best is None else
                  "best: " + ", ".join(f"{k}={v}" for k, v in best.knobs.items())
                  + f" ({best.summary.throughput_out_tok_s:.1f} output tok/s predicted)")

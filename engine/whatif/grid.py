@@ -184,8 +184,7 @@ def format_table(result: WhatIf) -> str:
              NOTE_LENGTHS]
     if rec.setup.assumed:
         lines.append("not in the recording, engine defaults assumed: " + ", ".join(rec.setup.assumed))
-    if joined := rec.in_flight_words():
-        lines.append(joined)
+    lines += rec.replay_words()
     scales = sorted({run.step_scale for run in result.runs} - {1.0})
     if scales:
         lines.append("@F: the run again with every fitted forward time at F times (" + ", ".join(

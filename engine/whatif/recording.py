@@ -32,6 +32,7 @@ class TraceRequest:
     reason: str                        # stop | length | abort | error | unfinished
     abort_after_s: float | None        # abort / error: seconds after arrival
     input_s: float = 0.0               # a server's input path: from arrival until the engine could have it
+    prompt_blocks: tuple[str, ...] = ()   # its full prompt blocks by prefix-cache hash (where recorded)
 
     @property
     def entry_s(self) -> float:
@@ -42,6 +43,35 @@ class TraceRequest:
     def stops(self) -> bool:
         """It ended on a stop token: a replay samples one at its recorded length."""
         return self.reason == "stop"
+
+
+class PromptTokens:
+    """Made-up token ids that share what the recorded prompts shared: each recorded full prompt block is
+    one id repeated over the block (equal hashes, equal ids: a replay's prefix cache hits where the
+    recorded one could), the rest of a prompt an id of its request's own (shared with nothing). Ids
+    count from `first`, wrapping below `end` where given."""
+
+    def __init__(self, block_size: int, first: int, end: int | None = None):
+        self.block_size = block_size
+        self._first, self._end = first, end
+        self._ids: dict[str, int] = {}           # block name or request id -> its token id
+
+    def _id(self, name: str) -> int:
+        token = self._ids.get(name)
+        if token is None:
+            n = len(self._ids) if self._end is None else len(self._ids) % (self._end - self._first)
+            token = self._ids[name] = self._first + n
+        return token
+
+    def own(self, request_id: str) -> int:
+        """The request's own id: its prompt's tail, and its output where the caller wants one."""
+        return self._id("request " + request_id)
+
+    def prompt(self, item: TraceRequest) -> list[int]:
+        size = self.block_size
+        tokens = [token for name in item.prompt_blocks[: item.num_prompt_tokens // size]
+                  for token in [self._id(name)] * size]
+        return tokens + [self.own(item.request_id)] * (item.num_prompt_tokens - len(tokens))
 
 
 @dataclass(frozen=True)
@@ -72,6 +102,7 @@ class EngineSetup:
     vllm: dict | None = None           # made inside vLLM: the harness's Limits, and `version` ("0.32")
     weight_macs: tuple[int, int] | None = None   # multiply-adds per token, per head row (weights.py)
     product_tile_rows: int | None = None         # rows of the engine's product tiles (kernels/cpu.py)
+    enable_prefix_caching: bool = False          # whether the engine cached prefixes
 
     def to_dict(self) -> dict:
         if self.vllm is not None:
@@ -79,7 +110,7 @@ class EngineSetup:
         else:
             entry = {"num_kv_blocks": self.num_kv_blocks, "block_size": self.block_size,
                      "policy": self.policy, "layout": self.layout, "batch_capacity": self.batch_capacity,
-                     "max_model_len": self.max_model_len}
+                     "max_model_len": self.max_model_len, "enable_prefix_caching": self.enable_prefix_caching}
         return (entry | ({"weight_macs": list(self.weight_macs)} if self.weight_macs else {})
                 | ({"product_tile_rows": self.product_tile_rows} if self.product_tile_rows else {}))
 
@@ -102,8 +133,22 @@ class Recording:
     def model(self) -> str | None:
         return self.header.get("model")
 
-    def in_flight_words(self) -> str | None:
-        """What a what-if does with a recording joined mid-run, in a sentence; None for a whole one."""
+    def replay_words(self) -> list[str]:
+        """Where a what-if's runs start or run from less than the recording holds, a sentence each: a
+        recording joined mid-run, prefix-cache hits it cannot replay."""
+        return [words for words in (self._in_flight_words(), self._prefix_words()) if words]
+
+    def _prefix_words(self) -> str | None:
+        if self.setup.enable_prefix_caching:
+            return None
+        cached = sum(e.num_cached_tokens for e in self.events if isinstance(e, ev.RequestAdmitted))
+        if not cached:
+            return None
+        return (f"its requests took {cached} tokens from the prefix cache at admission, but its arrivals "
+                "name no prompt blocks (recorded before schema 7): every run computes those tokens again, "
+                "a heavier load than the recorded one")
+
+    def _in_flight_words(self) -> str | None:
         if self.setup.vllm is not None:        # vLLM's harness takes in the trace alone
             joined, left_out = (), self.in_flight + self.unseen
         else:
@@ -144,7 +189,7 @@ def engine_header(engine) -> dict:
     config = engine.config
     entry = {"num_kv_blocks": engine.kv.num_blocks, "block_size": config.block_size, "policy": config.policy,
              "layout": config.layout, "batch_capacity": config.batch_capacity,
-             "max_model_len": engine.max_model_len,
+             "max_model_len": engine.max_model_len, "enable_prefix_caching": config.enable_prefix_caching,
              "weight_macs": list(weight_macs(engine.loaded.model.config))}
     flat = engine.runner.flat_forward
     tile_rows = flat.product_tile_rows if flat is not None else None
@@ -278,12 +323,14 @@ def _trace(path: str, events: list[ev.Event], t0: float) -> list[TraceRequest]:
         r = retired.get(request_id)
         if r is None:
             requests.append(TraceRequest(request_id, a.arrival_t - t0, a.num_prompt_tokens, a.max_tokens,
-                                         a.priority, a.max_tokens, "unfinished", None, a.input_s))
+                                         a.priority, a.max_tokens, "unfinished", None, a.input_s,
+                                         a.prompt_blocks))
             continue
         aborted = r.reason in QUEUE_EXITS
         requests.append(TraceRequest(request_id, a.arrival_t - t0, a.num_prompt_tokens, a.max_tokens,
                                      a.priority, a.max_tokens if aborted else max(1, r.num_output_tokens),
-                                     r.reason, r.t - a.arrival_t if aborted else None, a.input_s))
+                                     r.reason, r.t - a.arrival_t if aborted else None, a.input_s,
+                                     a.prompt_blocks))
     return requests
 
 
@@ -315,7 +362,8 @@ def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -
     for name, fallback in (("num_kv_blocks", total), ("block_size", defaults.block_size),
                            ("policy", header.get("policy") or defaults.policy),
                            ("layout", header.get("layout") or defaults.layout),
-                           ("batch_capacity", defaults.batch_capacity)):
+                           ("batch_capacity", defaults.batch_capacity),
+                           ("enable_prefix_caching", _names_prompt_blocks(requests))):
         if name in engine:
             values[name] = engine[name]
         else:
@@ -333,14 +381,21 @@ def _setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -
         assumed.append(name)
     return EngineSetup(values["num_kv_blocks"], values["block_size"], values["policy"], values["layout"],
                        values["batch_capacity"], max_model_len, knobs, tuple(assumed),
-                       weight_macs=_weight_macs(engine), product_tile_rows=engine.get("product_tile_rows"))
+                       weight_macs=_weight_macs(engine), product_tile_rows=engine.get("product_tile_rows"),
+                       enable_prefix_caching=values["enable_prefix_caching"])
+
+
+def _names_prompt_blocks(requests: list[TraceRequest]) -> bool:
+    """Whether the engine cached prefixes, where the header does not say: its requests' arrivals name
+    their prompt blocks only where it did."""
+    return any(r.prompt_blocks for r in requests)
 
 
 # vLLM's scheduler knobs that batchtop's class turns live (engine/vllm/control.py), and the
-# harness's defaults for the set-up a live recording does not carry.
+# harness's defaults for the set-up a live recording does not carry (prefix caching: on where its
+# arrivals name prompt blocks).
 VLLM_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
-VLLM_DEFAULTS = {"block_size": 16, "enable_prefix_caching": False, "policy": "fcfs",
-                 "async_scheduling": False}
+VLLM_DEFAULTS = {"block_size": 16, "policy": "fcfs", "async_scheduling": False}
 
 
 def _vllm_setup(header: dict, events: list[ev.Event], requests: list[TraceRequest]) -> EngineSetup:
@@ -356,11 +411,13 @@ def _vllm_setup(header: dict, events: list[ev.Event], requests: list[TraceReques
               "max_model_len": engine.get("max_model_len",
                                           max(r.num_prompt_tokens + r.max_tokens for r in requests))}
     assumed = []
-    for name, default in VLLM_DEFAULTS.items():
+    defaults = VLLM_DEFAULTS | {"enable_prefix_caching": _names_prompt_blocks(requests)}
+    for name, default in defaults.items():
         if name not in engine:
             assumed.append(name)
         limits[name] = engine.get(name, default)
     limits.update(knobs)
     return EngineSetup(limits["num_blocks"] - 1, limits["block_size"], limits["policy"], "vllm",
                        knobs["max_num_seqs"], limits["max_model_len"], knobs, tuple(assumed),
-                       {**limits, "version": vllm_version(header)}, _weight_macs(engine))
+                       {**limits, "version": vllm_version(header)}, _weight_macs(engine),
+                       enable_prefix_caching=limits["enable_prefix_caching"])

@@ -22,9 +22,9 @@ from batchtop.engine.core.scheduler_output import Row
 from batchtop.engine.core.step_events import Sink, StepEvents, StepTimes
 from batchtop.telemetry import events as ev
 
-from .recording import EngineSetup, InFlight, Recording, TraceRequest
+from .recording import EngineSetup, InFlight, PromptTokens, Recording, TraceRequest
 
-PROMPT_TOKEN, OUTPUT_TOKEN, STOP_TOKEN = 1, 1, 2
+STOP_TOKEN = 2                  # a request ends on it; the made-up prompt and output ids count from 3
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,10 @@ class VirtualEngine:
                  snapshot_interval_steps: int = 1000):
         self.now = 0.0
         self.setup = setup
-        # no prefix caching: a recording carries token counts, not tokens, so its prompts here are all
-        # alike and would share every block
-        self.kv = KVCacheManager(setup.num_kv_blocks, setup.block_size, enable_caching=False)
+        # prompts share the blocks the recorded ones shared; outputs are each request's own
+        self.kv = KVCacheManager(setup.num_kv_blocks, setup.block_size,
+                                 enable_caching=setup.enable_prefix_caching)
+        self.tokens = PromptTokens(setup.block_size, first=STOP_TOKEN + 1)
         self.scheduler = Scheduler(SchedulerKnobs(**knobs), self.kv, setup.policy, frozenset({STOP_TOKEN}))
         self.batch = PersistentBatch(setup.layout, setup.batch_capacity, setup.max_model_len,
                                      -(-setup.max_model_len // setup.block_size))
@@ -99,7 +100,7 @@ class VirtualEngine:
         """Take in a request that arrived at `item.arrival_s` and could enter at `item.entry_s` (at or
         before `now`, a step boundary); its RequestArrived event where `announce`."""
         self.now = now
-        request = Request(item.request_id, [PROMPT_TOKEN] * item.num_prompt_tokens,
+        request = Request(item.request_id, self.tokens.prompt(item),
                           SamplingParams(max_tokens=item.max_tokens), min(now, item.arrival_s),
                           priority=item.priority, arrival_seq=len(self.requests))
         self.requests[item.request_id] = request
@@ -110,7 +111,8 @@ class VirtualEngine:
             self._emit(ev.RequestArrived, request_id=item.request_id,
                        num_prompt_tokens=item.num_prompt_tokens, max_tokens=item.max_tokens,
                        priority=item.priority, since_arrival_s=now - request.arrival_time,
-                       input_s=item.input_s)
+                       input_s=item.input_s,
+                       prompt_blocks=tuple(self.kv.prompt_blocks(item.request_id, request.prompt_token_ids)))
 
     def take_in_flight(self, rec: Recording, now: float) -> None:
         """Start from the requests a recording joined, as its first snapshot had them (`InFlight`), and
@@ -126,7 +128,7 @@ class VirtualEngine:
         recording holds none)."""
         self.add(item.request, now, announce=False)
         request = self.requests[item.request.request_id]
-        request.output_token_ids = [OUTPUT_TOKEN] * item.num_output_tokens
+        request.output_token_ids = [self.tokens.own(request.request_id)] * item.num_output_tokens
         if item.num_output_tokens:
             request.first_token_time = request.arrival_time      # its first token came before: none again
         request.num_preemptions = item.num_preemptions
@@ -224,7 +226,7 @@ class VirtualEngine:
     def _token(self, request: Request) -> int:
         stops_at = self._stops_at.get(request.request_id)
         last = stops_at is not None and request.num_output_tokens + 1 >= stops_at
-        return STOP_TOKEN if last else OUTPUT_TOKEN
+        return STOP_TOKEN if last else self.tokens.own(request.request_id)
 
 
 def _shape(batch_step: BatchStep, start_s: float) -> StepShape:

@@ -10,9 +10,10 @@ shapes the identity replay computed, and handed to the harness as its coefficien
 slowdown: each predicted step's forward is drawn as in batchtop's what-if (telemetry/slowdown.py,
 the same seed), the overheads and the mean gap between steps added. A predicted run sends back its
 figures, summarised in the harness, and its events only when they are to be written (`--record`).
-Prompts are made-up ids of the recorded lengths: a live recording carries no token ids, so a replay
-sees no prefix hits; the recording's own knob changes are not replayed (each run keeps its knobs
-throughout).
+Prompts are made-up ids of the recorded lengths; where vLLM cached prefixes, they share the full blocks
+the recorded prompts shared (RequestArrived's prompt_blocks, recording.PromptTokens), so vLLM's prefix
+cache hits where it could have. The recording's own knob changes are not replayed (each run keeps its
+knobs throughout).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from batchtop.telemetry.events import event_from_dict
 from batchtop.telemetry.run_stats import MetricsSummary
 
 from .grid import Run, WhatIf, grid_runs, run_label, run_of
-from .recording import VLLM_KNOBS, Recording
+from .recording import VLLM_KNOBS, PromptTokens, Recording
 from .replay import Identity, identity_of, recorded_gaps, recorded_phases, without_gc
 from .steptime import StepTimeModel, fit_model
 from .virtual import StepShape
@@ -37,6 +38,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 VLLM_ENVS = {"0.32": ".venv-vllm", "0.33": ".venv-vllm033"}   # what `make setup` builds
 EARLY_S = 1e-9              # arrivals and aborts a hair early: the harness takes them at clock >= time
 VLLM_MAX_NUM_SEQS = 1024    # the largest max_num_seqs a what-if may ask of a fresh vLLM scheduler
+HARNESS_TOKEN_IDS = (10, 32_000)   # the harness's made-up ids: from FIRST_PROMPT_TOKEN, below VOCAB_SIZE
 SHAPE_FIELDS = ("num_rows", "prefill_tokens", "decode_rows", "head_rows", "context_tokens",
                 "prefill_attention")
 
@@ -94,7 +96,10 @@ def harness_trace(rec: Recording, as_scheduled: bool = False) -> list[dict]:
     """The recording's requests as the harness's TraceRequest fields. A request arrives when vLLM's
     `Request` says (the API server took it before the scheduler saw it: RequestArrived's `arrival_t`, or
     in a recording that lacks it, its FirstToken's time less its TTFT), else, or `as_scheduled` (the
-    identity replay, on the recording's own timeline), when the scheduler saw it (RequestArrived's `t`)."""
+    identity replay, on the recording's own timeline), when the scheduler saw it (RequestArrived's `t`).
+    Where vLLM cached prefixes, each prompt's token ids share the blocks the recorded prompt shared."""
+    setup = rec.setup
+    tokens = PromptTokens(setup.block_size, *HARNESS_TOKEN_IDS) if setup.enable_prefix_caching else None
     taken_in = {e.request_id: e.t - rec.t0 for e in rec.events if isinstance(e, ev.RequestArrived)}
     first_token_less_ttft = {e.request_id: e.t - e.ttft_s - rec.t0 for e in rec.events
                              if isinstance(e, ev.FirstToken)}
@@ -109,6 +114,8 @@ def harness_trace(rec: Recording, as_scheduled: bool = False) -> list[dict]:
                "output_len": r.num_output_tokens if r.stops else r.max_tokens, "priority": r.priority}
         if r.abort_after_s is not None:
             row["abort_s"] = r.arrival_s + r.abort_after_s - EARLY_S
+        if tokens is not None and r.prompt_blocks:
+            row["prompt_token_ids"] = tokens.prompt(r)
         trace.append(row)
     return trace
 

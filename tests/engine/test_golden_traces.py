@@ -1,7 +1,9 @@
 """The event traces of fixed seeded runs (engine/bench/traces.py) against digests taken at ee7c39b, the
-first parent of bf96133 (the last merge of issue 28's moves): a reorganisation that changes what the
-engine does, in any event field but wall time or in any token id, fails here. The runs use the pure
-torch forward (BATCHTOP_CPU_KERNEL=0) on one thread, whose traces are the same on every CPU.
+first parent of bf96133 (the last merge of issue 28's moves), and taken again when RequestArrived
+gained prompt_blocks (schema 7): with that field dropped, each trace's digest is still ee7c39b's. A
+reorganisation that changes what the engine does, in any event field but wall time or in any token
+id, fails here. The runs use the pure torch forward (BATCHTOP_CPU_KERNEL=0) on one thread, whose
+traces are the same on every CPU.
 
 An intended change of behaviour changes digests: rerun `BATCHTOP_CPU_KERNEL=0 python -m
 batchtop.engine.bench.traces OUTDIR` before and after it, compare the files, and take the new digests
@@ -15,19 +17,19 @@ from batchtop.engine.bench import traces
 from batchtop.engine.model.loading import load_model
 from batchtop.telemetry import events as ev
 
-GOLDEN = {  # run: (events, sha256 of the trace), at ee7c39b9822ceb595761b4fb0eab0c94de430a7b
-    "continuous_condense": (182, "5a963dae78b62a8c677deadfeb999c48bc9bc60133e489032dc3890a947f9cce"),
-    "continuous_indexmap": (181, "89b1b0feb7fa7175f83b1c3d0f5d0024c248ce604ef72e6110f1f149b3f234c4"),
-    "continuous_gather": (182, "517521566a7d125b06bf6b404032081092f2c33b70ef324995209ba9884a5e0e"),
-    "static": (181, "3a71d76bfcbc7531d6059f8a2bd31a489f14d9630e9037cadeede8e12931a0c7"),
-    "dynamic_timeout_0": (165, "9d84bf872eb933af029c5db5d318d83db1b6516ca6d78c2916ef7faa25139cff"),
-    "dynamic_full_batches": (202, "6386a8498ae45ca2d72ed366844f71ba4d7944fffe38af7365cf07f5f3bfbece"),
-    "preempt_recompute": (308, "f39fadbbbb6fb3c1ea799cb92796e33539ec2abaf1385ddc01f932f160115023"),
-    "preempt_retract": (349, "cd2bdf1b6cba7541c9e2efd8627371c9f23e4b22db4133bc21cde65052c6255e"),
-    "chunked_prefill": (97, "7bcb18bf5c27c591084e107078d417b52227557d5e99c33086c964b940ff2655"),
-    "aborts": (113, "60a9b717f51b87b188121d7ab0049df05b8a1cdf382b42aeabf7419bccf1da4d"),
-    "knob_changes": (289, "d3bf20c07be084bc00472b0a1131bbc543621cdd82214956783013f7bbe567d4"),
-    "priorities": (137, "6c167f3ba92c62db6f38f0e427e476e315f7a74a1ea0f094a38eeb5613f79c70"),
+GOLDEN = {  # run: (events, sha256 of the trace); see the docstring for where each was taken
+    "continuous_condense": (182, "c8035a1c72feb790811a96d24ce8897ea208c6a128a8abd245f4a06bd01b6224"),
+    "continuous_indexmap": (181, "25c808e130f483371eed77f24f603c038ae7696544b7a03b3d10d46fe98165f4"),
+    "continuous_gather": (182, "4eee76a4cc24f76c3f13f89c5de798629911f225af254e94c31f5876e84890a5"),
+    "static": (181, "498d2f73f7a59fa29fec88a237200356903a5cf344920dc19807f38255990366"),
+    "dynamic_timeout_0": (165, "6453f77e5cff76d05276f7e5abaad6f41c9ae2753c8a5c07c5372f1d14c56551"),
+    "dynamic_full_batches": (202, "e8d14fc985d67a5e5b1d5b486aedf17b59ad094868f1bbb1892f52cab5f0f855"),
+    "preempt_recompute": (308, "c22fd2cb1702fe3ba35fba6c2d8dd11c796b9dd8e51b807d89c074bd679b85dc"),
+    "preempt_retract": (349, "26affffddc925f57ef51f73595422377ef95aecbdb0da93aab4d2dad6496fd65"),
+    "chunked_prefill": (97, "9e90b5d50ee173ac326296dfe22a75d31a0be5f85a614250e92454e8cf87752e"),
+    "aborts": (113, "7c0924c86baf164541fe2a45a7772033de360cbcbde156a33768543996d54ad5"),
+    "knob_changes": (289, "fcbaf155932a982ec56f0eb81a2e64e9d61e9c9ffc7c57f15dd3f9984a2c59cf"),
+    "priorities": (137, "7d68eed8eeb13c9956e09390cfc7ea0ac89defe2730a04590cd6489fe5b819ed"),
 }
 
 

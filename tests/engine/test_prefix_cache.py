@@ -178,3 +178,30 @@ def test_cached_prefixes_match_transformers_generate(tiny):
     for prompt, completion in zip(prompts, outputs):
         assert completion.token_ids == hf_greedy(reference.model, [prompt], 6)[0]
     assert any(isinstance(e, ev.BlocksCached) for e in events)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_each_arrival_names_its_prompt_s_full_blocks_by_their_hashes(tiny, caching):
+    """Prompts that share their first two blocks name them alike and the third apart; a prompt shorter
+    than a block names none; the first name is the prefix_id admission reports; an engine that does not
+    cache prefixes names none."""
+    events = []
+    engine = Engine(EngineConfig(model="tiny", block_size=BS, enable_prefix_caching=caching),
+                    sink=events.append, loaded=tiny)
+    shared = list(range(10, 18))
+    ids = []
+    for prompt in (shared + [30, 31, 32, 33, 34], shared + [40, 41, 42, 43], [50, 51, 52]):
+        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=2)))
+        engine.step()                           # the first prompt computed before the second arrives
+    while engine.has_unfinished():
+        engine.step()
+    arrived = [e.prompt_blocks for e in events if isinstance(e, ev.RequestArrived)]
+    if not caching:
+        assert arrived == [(), (), ()]
+        return
+    first, second, short = arrived
+    assert len(first) == len(second) == 3 and short == ()
+    assert first[:2] == second[:2] and first[2] != second[2]
+    assert all(len(name) == 12 for name in first)
+    admitted = {e.request_id: e for e in events if isinstance(e, ev.RequestAdmitted)}
+    assert admitted[ids[1]].prefix_id == first[0] and admitted[ids[1]].num_cached_tokens == 2 * BS

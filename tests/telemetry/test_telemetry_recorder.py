@@ -254,3 +254,16 @@ def test_a_version_5_snapshot_reads_with_its_priorities_and_preemptions_unknown(
     _, (snapshot,) = read_log(path)
     assert snapshot.priorities == () and snapshot.num_preemptions == () and snapshot.new_token_ratio is None
     assert snapshot.num_computed_tokens == (10,)
+
+
+def test_a_version_6_arrival_reads_with_no_prompt_blocks(tmp_path):
+    """Version 7 named a prompt's full blocks on its arrival; a version 6 one (and a version 3 one, its
+    wait and input path upgraded in turn) reads with none."""
+    arrival = ('{"kind":"RequestArrived","step":0,"t":1.0,"request_id":"a","num_prompt_tokens":40,'
+               '"max_tokens":8,"priority":0')
+    for version, extra in ((6, ',"since_arrival_s":0.2,"input_s":0.1}'), (3, "}")):
+        path = tmp_path / f"v{version}.jsonl"
+        path.write_text(f'{{"kind":"Header","schema_version":{version}}}\n{arrival}{extra}\n')
+        _, (arrived,) = read_log(path)
+        assert arrived.prompt_blocks == () and arrived.num_prompt_tokens == 40
+

@@ -54,6 +54,8 @@ def run(prompts: list[list[int]], async_scheduling: bool) -> dict:
     admitted = [e for e in events if isinstance(e, ev.RequestAdmitted)]
     finished_cached = [e.kv_blocks_cached for e in events if isinstance(e, ev.StepFinished)]
     return {
+        "prompts": prompts,
+        "prompt_blocks": [list(e.prompt_blocks) for e in events if isinstance(e, ev.RequestArrived)],
         "reasons": [e.miss_reason for e in admitted],
         "cached": [e.num_cached_tokens for e in admitted],
         "known": [e.num_known_tokens for e in admitted],

@@ -6,6 +6,7 @@ are one of its scenarios; on the real server: test_vllm_prefix_cache.py."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,11 @@ def test_batchtop_vllm_check_runs_the_check_with_vllms_python():
     assert done.returncode == 2 and "events port must be 1..65535" in done.stderr
 
 
+def shared_blocks(a, b) -> int:
+    """Leading entries two lists share."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 @pytest.mark.parametrize("load", LOADS)
 def test_under_the_harness_reasons_and_sums_are_vllms(checked, load):
     """Synchronous and async scheduling: each admission's reason as expected, its cached tokens vLLM's
@@ -126,6 +132,14 @@ def test_under_the_harness_reasons_and_sums_are_vllms(checked, load):
         assert run["cached"] == run["vllm_hits"]
         assert (run["sum_cached"], run["sum_known"]) == (run["vllm_hits_total"], run["vllm_queries_total"])
         assert run["kv_blocks_cached"] == run["vllm_cached_free"], mode
+        # each arrival names its prompt's full blocks by vLLM's hashes: equal leading names where the
+        # prompts' leading blocks are equal, and only there
+        prompts, names = run["prompts"], run["prompt_blocks"]
+        assert [len(n) for n in names] == [len(p) // 16 for p in prompts]
+        for (p, n), (q, m) in itertools.combinations(zip(prompts, names), 2):
+            assert shared_blocks(n, m) == shared_blocks(
+                [tuple(p[k:k + 16]) for k in range(0, len(p) // 16 * 16, 16)],
+                [tuple(q[k:k + 16]) for k in range(0, len(q) // 16 * 16, 16)])
         if load == "shared":
             assert run["sum_cached"] == 2 * 48
         if load == "eviction":

@@ -87,6 +87,53 @@ def test_the_end_of_a_step_under_way_before_the_joining_snapshot_is_left_out(tin
     rec = recording_from(joined.header, tail + joined.events)
     assert rec.events[0] is snapshot and rec.unseen == () and rec.num_before_snapshot == len(tail)
     assert f"its first {len(tail)} events, before the snapshot it starts from, are left out" in \
-        rec.in_flight_words()
+        rec.replay_words()[0]
     identity = replay_identity(rec)
     assert identity.first_mismatch is None and identity.match_share == 1.0
+
+
+def cached_at_admission(events) -> list[tuple[str, int]]:
+    return [(e.request_id, e.num_cached_tokens) for e in events if isinstance(e, ev.RequestAdmitted)]
+
+
+@pytest.fixture(scope="module")
+def shared_prefixes(tiny):
+    """A run whose prompts share 5 prefixes through the engine's prefix cache, in a pool small enough
+    that cached blocks are evicted, with preemptions and aborts."""
+    return record_engine(tiny, steps=150, seed=11, num_prefixes=5, num_kv_blocks=36)
+
+
+def test_prompts_that_shared_prefixes_share_them_in_the_replay(shared_prefixes):
+    """The arrivals name each prompt's full blocks by hash; the replay's made-up prompts share what
+    those share, so its prefix cache hits, caches and evicts as the recorded one: every step as
+    recorded, and each admission takes the recorded cached tokens."""
+    rec = shared_prefixes
+    cached = cached_at_admission(rec.events)
+    assert rec.setup.enable_prefix_caching and sum(n for _, n in cached) > 500
+    assert any(isinstance(e, ev.BlocksEvicted) for e in rec.events)
+    assert any(isinstance(e, ev.RequestPreempted) for e in rec.events)
+    identity = replay_identity(rec)
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    assert cached_at_admission(identity.events) == cached
+    planned = [(e.step, e.kv_blocks_cached) for e in identity.events if isinstance(e, ev.StepPlanned)]
+    assert planned == [(e.step, e.kv_blocks_cached) for e in rec.events if isinstance(e, ev.StepPlanned)]
+    wider = whatif(rec, {"max_num_seqs": [8]}).runs[-1]
+    assert sum(n for _, n in cached_at_admission(wider.events)) > 0
+
+
+def test_a_recording_that_names_no_prompt_blocks_replays_without_hits_and_says_so(shared_prefixes):
+    """A recording before prompt blocks were named (schema 6) cannot share the prefixes: the replay
+    computes every prompt token, the schedule differs, and the table says why."""
+    import dataclasses
+
+    bare = [dataclasses.replace(e, prompt_blocks=()) if isinstance(e, ev.RequestArrived) else e
+            for e in shared_prefixes.events]
+    header = {**shared_prefixes.header, "engine": {k: v for k, v in shared_prefixes.header["engine"].items()
+                                                   if k != "enable_prefix_caching"}}
+    rec = recording_from(header, bare)
+    assert not rec.setup.enable_prefix_caching and "enable_prefix_caching" in rec.setup.assumed
+    identity = replay_identity(rec)
+    assert identity.match_share < 1.0
+    assert sum(n for _, n in cached_at_admission(identity.events)) == 0
+    assert "tokens from the prefix cache at admission, but its arrivals name no prompt blocks" in \
+        format_table(whatif(rec, {}))

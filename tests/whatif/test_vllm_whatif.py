@@ -86,6 +86,40 @@ def test_the_identity_replay_through_the_harness_schedules_every_recorded_step(m
     assert what.identity.first_mismatch is None and what.identity.match_share == 1.0
 
 
+def test_prompts_that_shared_prefixes_in_vllm_share_them_in_its_replay(harness, tmp_path):
+    """vLLM caching prefixes: the arrivals name each prompt's full blocks by vLLM's hashes, and the
+    replay's made-up prompts share what those share, so vLLM's prefix cache hits as it did: every step
+    as recorded, each admission with the recorded cached tokens (a prompt of its own would hit
+    nothing and change the schedule)."""
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(10, 30_000) for _ in range(16 * rng.randint(1, 4))] for _ in range(4)]
+    requests = trace(60, seed=9)
+    for row in requests:
+        tail = [rng.randrange(10, 30_000) for _ in range(rng.randint(0, 30))]
+        row["prompt_token_ids"] = rng.choice(prefixes) + tail
+        del row["num_prompt_tokens"]
+    result = harness.run({"trace": requests, "limits": {**LIMITS, "enable_prefix_caching": True},
+                          "scheduler": "batchtop", "events": True, "step_time": LAW})
+    rec = read_recording(write(tmp_path / "vllm-prefixes.jsonl", result["header"],
+                               [ev.event_from_dict(e) for e in result["events"]]))
+
+    def cached(events):
+        return [(e.request_id, e.num_cached_tokens) for e in events if isinstance(e, ev.RequestAdmitted)]
+    assert rec.setup.enable_prefix_caching and rec.setup.assumed == ()
+    assert sum(n for _, n in cached(rec.events)) >= 16 * 20
+    assert all(len(r.prompt_blocks) == r.num_prompt_tokens // 16 for r in rec.requests)
+    identity, _ = vllm_replay.identity_through_harness(rec, harness)
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    assert cached(identity.events) == cached(rec.events)
+    unnamed = [dataclasses.replace(e, prompt_blocks=()) if isinstance(e, ev.RequestArrived) else e
+               for e in rec.events]
+    alone, _ = vllm_replay.identity_through_harness(read_recording(
+        write(tmp_path / "unnamed.jsonl", result["header"], unnamed)), harness)
+    # only a preempted request's own blocks hit again
+    assert alone.match_share < 1.0
+    assert sum(n for _, n in cached(alone.events)) < sum(n for _, n in cached(rec.events)) / 10
+
+
 def test_a_request_arrives_when_vllms_request_says_and_is_taken_in_at_a_step_boundary(made):
     """RequestArrived comes when the scheduler sees the request, at a step boundary; its `arrival_t` is
     vLLM's `arrival_time` (here the trace's), which TTFT counts from."""

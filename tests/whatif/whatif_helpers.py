@@ -26,15 +26,16 @@ KNOB_PLAN = [(20, "long_prefill_token_threshold", 8), (35, "preemption_mode", "r
 
 
 def record_engine(loaded, *, steps: int = 300, seed: int = 0, knob_plan=(), abort_share: float = 0.04,
-                  join_at: int = 0, **config) -> Recording:
+                  join_at: int = 0, num_prefixes: int = 0, **config) -> Recording:
     """A tiny-model run of `steps` steps under random arrivals (prompts 1-40 tokens, outputs 1-30, some
     ending on a stop id), random aborts of running and waiting requests, and `knob_plan` changes;
     with `join_at`, what a recorder that joined before that step holds (the engine's snapshot first, as
-    a dashboard that joins a running engine asks for)."""
+    a dashboard that joins a running engine asks for). With `num_prefixes`, the engine caches prefixes
+    and each prompt is one of that many shared prefixes (2-6 blocks) and a tail of its own (0-10 tokens)."""
     settings = dict(model="tiny", num_kv_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=48,
                     long_prefill_token_threshold=16, batch_capacity=8, max_model_len=128,
                     snapshot_interval_steps=97, flight_recorder_steps=0,
-                    enable_prefix_caching=False)      # the what-if replays counts, not tokens: no cache
+                    enable_prefix_caching=num_prefixes > 0)
     settings.update(config)
     events: list = []
     joined = [not join_at]
@@ -42,6 +43,13 @@ def record_engine(loaded, *, steps: int = 300, seed: int = 0, knob_plan=(), abor
     header = make_header("tiny", engine.knobs(),
                          engine=engine_header(engine))
     rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, 5000) for _ in range(settings["block_size"] * rng.randint(2, 6))]
+                for _ in range(num_prefixes)]
+
+    def prompt() -> list[int]:
+        if not prefixes:
+            return [rng.randrange(100, 5000) for _ in range(rng.randint(1, 40))]
+        return rng.choice(prefixes) + [rng.randrange(100, 5000) for _ in range(rng.randint(0, 10))]
     plan = {step: (name, value) for step, name, value in knob_plan}
     for step in range(1, steps + 1):
         if step == join_at:
@@ -49,8 +57,7 @@ def record_engine(loaded, *, steps: int = 300, seed: int = 0, knob_plan=(), abor
             header = make_header("tiny", engine.knobs(), engine=engine_header(engine))
             events.append(engine.snapshot("subscribe"))
         for _ in range(rng.choice((0, 0, 1, 1, 2))):
-            prompt = [rng.randrange(100, 5000) for _ in range(rng.randint(1, 40))]
-            engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True),
+            engine.add_request(prompt(), SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True),
                                priority=rng.randint(0, 2))
         if rng.random() < abort_share:
             live = engine.scheduler.running if rng.random() < 0.5 else list(engine.scheduler.waiting)
