@@ -16,7 +16,8 @@ it follows vLLM's engine core (a batch queue of two): step N+1 is scheduled befo
 
 JSON in: a trace is a list of requests (`TraceRequest`'s fields: `arrival_s`, `prompt_token_ids` or
 `num_prompt_tokens`, `output_len`, `max_tokens`, `priority`, `abort_s`); limits are `Limits`'
-fields. A step time is a constant, a table (`{"table_s": [...]}`: the k-th step that schedules
+fields; `joined` (`Joined`'s fields) lists requests already in the scheduler when the run starts (a
+recording joined mid-run: running ones with their KV blocks, the rest queued). A step time is a constant, a table (`{"table_s": [...]}`: the k-th step that schedules
 tokens lasts `table_s[k]`, and starts no earlier than `starts_s[k]` where given: a recording's
 own timeline) or a linear law over the step's shape, what `batchtop whatif` fits: the
 forward `{"law": {feature: seconds per unit}, "intercept_s": a}` (features of `StepRecord`) times a
@@ -115,6 +116,21 @@ class TraceRequest:
     priority: int = 0
     abort_s: float | None = None  # aborted from outside (finish_requests) at this time
     request_id: str | None = None  # None: its index in the trace
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A request already in the scheduler when the run begins, as a recording joined mid-run found it
+    (its first snapshot's entry): a running one holds its KV blocks and its row of the batch, the
+    others queue in the snapshot's order."""
+
+    request: TraceRequest  # with its request_id; arrival_s at or before the run's start
+    status: str  # running | waiting | preempted
+    slot: int = -1  # its row of the batch (running)
+    num_output_tokens: int = 0  # generated before the run began
+    num_computed_tokens: int = 0
+    num_blocks: int = 0  # KV blocks it held
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -241,8 +257,10 @@ class Harness:
         between_steps: Callable[[Harness], None] | None = None,
         step_starts: list[float] | None = None,
         events_to: Callable[[list], None] | None = None,
+        joined: list[Joined] = (),
     ):
         self.scheduler = scheduler
+        self._joining = list(joined)  # taken in when the run starts (on its clock)
         self.trace = sorted(
             ((r.request_id or str(i), r) for i, r in enumerate(trace)), key=lambda item: item[1].arrival_s
         )
@@ -259,7 +277,11 @@ class Harness:
         self.in_flight: deque = deque()  # (scheduler output, runner output, clock) not yet updated
         self.requests: dict[str, RequestRecord] = {}
         self._next_arrival = 0
-        self._aborts = sorted((r.abort_s, rid) for rid, r in self.trace if r.abort_s is not None)
+        self._aborts = sorted(
+            (r.abort_s, rid)
+            for rid, r in [*self.trace, *((j.request.request_id, j.request) for j in joined)]
+            if r.abort_s is not None
+        )
         self._output_len: dict[str, int] = {}
         self._shapes: dict[int, dict] = {}  # id(scheduler output): its shape, until its update
         cache = scheduler.cache_config
@@ -299,6 +321,40 @@ class Harness:
             priority=r.priority,
             block_hasher=self._block_hasher,
         )
+
+    def _join(self) -> None:
+        """The joined requests, in the scheduler as the snapshot had them: a running one in vLLM's running
+        list (in order) with its computed tokens, output and KV blocks; a waiting or preempted one
+        queued. vLLM's own `add_request`: the recording holds no arrival for them."""
+        s = self.scheduler
+        observer = getattr(s, "batchtop_observer", None)
+        for item in self._joining:
+            r, request_id = item.request, item.request.request_id
+            request = self._request(request_id, r)
+            record = RequestRecord(request_id, r.arrival_s, request.num_prompt_tokens)
+            self.requests[request_id] = record
+            if item.num_output_tokens:
+                request.append_output_token_ids([SAMPLED_TOKEN] * item.num_output_tokens)
+                record.first_token_s, record.num_output_tokens = r.arrival_s, item.num_output_tokens
+            request.num_preemptions = item.num_preemptions
+            if item.status == "running":
+                s.requests[request_id] = request
+                request.status = RequestStatus.RUNNING
+                size = s.block_size
+                tokens = max(item.num_computed_tokens, (item.num_blocks - 1) * size + 1)
+                if item.num_blocks and s.kv_cache_manager.allocate_slots(request, tokens) is None:
+                    raise ValueError(f"{request_id}: its {item.num_blocks} KV blocks at the recording's "
+                                     "start do not fit the pool")
+                request.num_computed_tokens = item.num_computed_tokens
+                s.running.append(request)
+            else:
+                Scheduler.add_request(s, request)
+                if item.status == "preempted":
+                    request.status = RequestStatus.PREEMPTED
+            if observer is not None:
+                slot = item.slot if item.status == "running" else -1
+                observer.joined(request, slot, item.num_output_tokens)
+        self._joining = []
 
     def _arrive_and_abort(self) -> None:
         while (
@@ -374,6 +430,7 @@ class Harness:
         """Step until the trace is done (or `max_steps` steps that scheduled tokens)."""
         depth = 2 if self.is_async else 1  # vLLM's batch queue under async scheduling
         s = self.scheduler
+        self._join()
         idle = 0
         while (max_steps is None or len(self.steps) < max_steps) and idle < MAX_IDLE_SCHEDULES:
             if self.step_starts is not None and self._num_scheduled < len(self.step_starts):
@@ -551,14 +608,23 @@ def recording_header(scheduler, limits: Limits) -> dict:
 
 def run_job(job: dict) -> dict:
     """One run: `trace` (TraceRequest fields), `limits`, `scheduler`, `step_time`, `events`;
-    `step_fields` (the StepRecord fields each step returns, default all) and `requests` (false: no
-    request records) leave out what the caller does not read. Under batchtop's class `summary` (true)
-    returns the run's figures (telemetry/run_stats.py's summary of its events) instead of the events."""
+    `joined` (Joined's fields, `request` as a trace request's) the requests in the scheduler when it
+    starts; `step_fields` (the StepRecord fields each step returns, default all) and `requests` (false:
+    no request records) leave out what the caller does not read. Under batchtop's class `summary` (true)
+    returns the run's figures (telemetry/run_stats.py's summary of its events) instead of the events,
+    and `snapshot_before_step` k has the class publish its snapshot before the k-th step (what a
+    recorder joining then starts with)."""
     trace = trace_of(job["trace"])
+    joined = [Joined(**{**row, "request": trace_of([row["request"]])[0]}) for row in job.get("joined", ())]
     limits = Limits(**job.get("limits", {}))
     step_fields = step_fields_of(job)
     kind = job.get("scheduler", "vllm")
-    scheduler = build_scheduler(limits, kind, job.get("model"))
+    # More requests running at the start than max_num_seqs: the worker's rows hold them and the admission
+    # cap is max_num_seqs, binding as they finish (as batchtop's live knob lowers it)
+    running = sum(item.status == "running" for item in joined)
+    scheduler = build_scheduler(dataclasses.replace(limits, max_num_seqs=max(limits.max_num_seqs, running)),
+                                kind, job.get("model"))
+    scheduler.max_num_active_reqs = limits.max_num_seqs
     harness: list[Harness] = []
     spec = job.get("step_time", 0.02)
     step_time = step_time_from(spec, lambda: harness[0])
@@ -567,7 +633,16 @@ def run_job(job: dict) -> dict:
     events = job.get("events", False) and kind == "batchtop" and not summary
     collected, metrics = [], Metrics()
     events_to = metrics.feed if summary else collected.extend if events else None
-    harness.append(Harness(scheduler, trace, step_time=step_time, step_starts=starts, events_to=events_to))
+    snapshot_before = job.get("snapshot_before_step") if kind == "batchtop" else None
+
+    def between_steps(h: Harness) -> None:
+        nonlocal snapshot_before
+        if snapshot_before is not None and len(h.steps) + 1 >= snapshot_before and not h.in_flight:
+            scheduler.batchtop_snapshot("subscribe")
+            snapshot_before = None
+
+    harness.append(Harness(scheduler, trace, step_time=step_time, step_starts=starts, events_to=events_to,
+                           joined=joined, between_steps=between_steps if snapshot_before else None))
     # the cycle collector paused for the run: it builds requests and events by the ten thousand and frees
     # none until the end, so a collection would walk them all for nothing
     collecting = gc.isenabled()

@@ -89,6 +89,19 @@ class StepObserver:
                    priority=request.priority, since_arrival_s=max(0.0, time.time() - request.arrival_time),
                    prompt_blocks=self.cache.prompt_blocks(request) if self.cache is not None else ())
 
+    def joined(self, request, slot: int, num_output_tokens: int) -> None:
+        """A request already in vLLM's state when a run begins from a snapshot (the harness replaying a
+        recording joined mid-run): no arrival event; running in row `slot` (-1: queued) with
+        `num_output_tokens` generated."""
+        track = self._tracks[request.request_id] = _Track(request.num_prompt_tokens, request.arrival_time)
+        track.num_output_tokens = num_output_tokens
+        track.got_first_token = num_output_tokens > 0
+        if slot >= 0:
+            self.mirror.place(request.request_id, slot)
+            self._held[request.request_id] = self._blocks_of(request.request_id)
+        else:
+            self._wait_marks[request.request_id] = self.wait_clock.mark(time.monotonic())
+
     def finished_outside(self, requests) -> None:
         """Requests that `finish_requests()` ended (aborts from the API server)."""
         for request in requests:

@@ -41,6 +41,11 @@ class InputBatchMirror:
     def __len__(self) -> int:
         return len(self.slot_of)
 
+    def place(self, request_id: str, slot: int) -> None:
+        """A running request in its row as a snapshot found it (a run that starts from one)."""
+        self.slot_of[request_id] = slot
+        self._rows[slot] = request_id
+
     def update(self, finished: set[str], scheduled: set[str], resumed: set[str], to_add: list[str],
                num_tokens_of) -> BatchUpdate:
         """Apply one step's changes in the worker's order. `to_add` lists the new requests, then the

@@ -148,11 +148,18 @@ class Recording:
                 "name no prompt blocks (recorded before schema 7): every run computes those tokens again, "
                 "a heavier load than the recorded one")
 
+    @property
+    def joins_in_flight(self) -> bool:
+        """Whether a what-if starts from the requests in flight at its start as its first snapshot had
+        them: on batchtop's engine, and on vLLM's synchronous scheduler (under async scheduling a
+        snapshot can fall while a step is in flight, its tokens counted and not yet sampled)."""
+        return self.setup.vllm is None or not self.setup.vllm.get("async_scheduling", False)
+
     def _in_flight_words(self) -> str | None:
-        if self.setup.vllm is not None:        # vLLM's harness takes in the trace alone
-            joined, left_out = (), self.in_flight + self.unseen
-        else:
+        if self.joins_in_flight:
             joined, left_out = self.in_flight, self.unseen
+        else:
+            joined, left_out = (), self.in_flight + self.unseen
         words = []
         if joined:
             words.append(f"{len(joined)} requests were in flight when the recording began (it holds no "

@@ -29,7 +29,7 @@ from batchtop.telemetry.events import event_from_dict
 from batchtop.telemetry.run_stats import MetricsSummary
 
 from .grid import Run, WhatIf, grid_runs, run_label, run_of
-from .recording import VLLM_KNOBS, PromptTokens, Recording
+from .recording import VLLM_KNOBS, PromptTokens, Recording, TraceRequest
 from .replay import Identity, identity_of, recorded_gaps, recorded_phases, without_gc
 from .steptime import StepTimeModel, fit_model
 from .virtual import StepShape
@@ -109,15 +109,33 @@ def harness_trace(rec: Recording, as_scheduled: bool = False) -> list[dict]:
             arrival_s = taken_in[r.request_id]
         else:
             arrival_s = min(first_token_less_ttft.get(r.request_id, r.arrival_s), r.arrival_s)
-        row = {"request_id": r.request_id, "arrival_s": max(arrival_s - EARLY_S, 0.0),
-               "num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.max_tokens,
-               "output_len": r.num_output_tokens if r.stops else r.max_tokens, "priority": r.priority}
-        if r.abort_after_s is not None:
-            row["abort_s"] = r.arrival_s + r.abort_after_s - EARLY_S
+        row = _harness_request(r, max(arrival_s - EARLY_S, 0.0))
         if tokens is not None and r.prompt_blocks:
             row["prompt_token_ids"] = tokens.prompt(r)
         trace.append(row)
     return trace
+
+
+def _harness_request(r: TraceRequest, arrival_s: float) -> dict:
+    row = {"request_id": r.request_id, "arrival_s": arrival_s, "num_prompt_tokens": r.num_prompt_tokens,
+           "max_tokens": r.max_tokens, "output_len": r.num_output_tokens if r.stops else r.max_tokens,
+           "priority": r.priority}
+    if r.abort_after_s is not None:
+        row["abort_s"] = r.arrival_s + r.abort_after_s - EARLY_S
+    return row
+
+
+def harness_joined(rec: Recording) -> list[dict]:
+    """The requests in flight when the recording began, as its first snapshot had them (the harness's
+    Joined): every run starts with them in vLLM's scheduler (none where it cannot:
+    Recording.joins_in_flight)."""
+    if not rec.joins_in_flight:
+        return []
+    return [{"request": _harness_request(item.request, item.request.arrival_s), "status": item.status,
+             "slot": item.slot, "num_output_tokens": item.num_output_tokens,
+             "num_computed_tokens": item.num_computed_tokens, "num_blocks": item.num_blocks,
+             "num_preemptions": item.num_preemptions} for item in rec.in_flight]
+
 
 
 def harness_limits(rec: Recording, changed: dict | None = None) -> dict:
@@ -154,7 +172,8 @@ def _job(rec: Recording, step_time, changed: dict | None = None, as_scheduled: b
     """A harness run of the recording's trace; of each step only its shape comes back (the replay reads
     nothing else of the steps, and no request records: the events carry what the table needs), and
     without `events` only the events' summary (the table's figures, computed in the harness)."""
-    return {"trace": harness_trace(rec, as_scheduled), "limits": harness_limits(rec, changed),
+    return {"trace": harness_trace(rec, as_scheduled), "joined": harness_joined(rec),
+            "limits": harness_limits(rec, changed),
             "scheduler": "batchtop", "events": events, "summary": not events, "step_time": step_time,
             "step_fields": list(SHAPE_FIELDS), "requests": False}
 

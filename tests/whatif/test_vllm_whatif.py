@@ -15,7 +15,7 @@ from whatif_helpers import linear_law, synthetic_recording
 from batchtop.engine.bench import whatif_sensitivity
 from batchtop.engine.whatif import vllm_replay
 from batchtop.engine.whatif.diff import diff_events
-from batchtop.engine.whatif.grid import run_of, write_runs
+from batchtop.engine.whatif.grid import format_table, run_of, write_runs
 from batchtop.engine.whatif.recording import read_recording
 from batchtop.engine.whatif.tune import tune
 from batchtop.telemetry import events as ev
@@ -118,6 +118,45 @@ def test_prompts_that_shared_prefixes_in_vllm_share_them_in_its_replay(harness, 
     # only a preempted request's own blocks hit again
     assert alone.match_share < 1.0
     assert sum(n for _, n in cached(alone.events)) < sum(n for _, n in cached(rec.events)) / 10
+
+
+@pytest.mark.parametrize("join_at", [45, 361])
+def test_a_vllm_recording_joined_mid_run_replays_from_its_snapshot(harness, tmp_path, join_at):
+    """A recorder that joins vLLM while it runs starts with the class's snapshot and holds no arrival
+    for the requests then in flight (here, before step 45: six running, one preempted, one waiting;
+    before 361: four, one, two). Every harness run starts from them in vLLM's scheduler as the
+    snapshot had them (the running ones in vLLM's order with their rows, computed tokens, output and
+    KV blocks, the queue in its order): the identity replay plans every step as recorded (left out, it
+    does not), and every what-if run serves them to their recorded lengths (at max_num_seqs=2, below
+    the rows running at the start: the cap binds as they finish)."""
+    result = harness.run({"trace": trace(), "limits": LIMITS, "scheduler": "batchtop", "events": True,
+                          "step_time": LAW, "snapshot_before_step": join_at})
+    events = [ev.event_from_dict(e) for e in result["events"]]
+    joined_at = next(k for k, e in enumerate(events) if isinstance(e, ev.EngineSnapshot))
+    rec = read_recording(write(tmp_path / "joined.jsonl", result["header"], events[joined_at:]))
+    assert {item.status for item in rec.in_flight} == {"running", "preempted", "waiting"}
+    assert rec.unseen == () and rec.joins_in_flight
+    identity, _ = vllm_replay.identity_through_harness(rec, harness)
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    alone = harness.run({**vllm_replay._job(rec, vllm_replay.recorded_table(rec), as_scheduled=True),
+                         "joined": []})
+    assert vllm_replay.identity_of(rec, None, vllm_replay._events(alone)).match_share < 1.0
+    what = vllm_replay.whatif_vllm(rec, {"max_num_seqs": [2]}, harness, keep_events=True)
+    assert "requests were in flight when the recording began" in format_table(what)
+
+    def served(events) -> dict[str, int]:
+        """The in-flight requests that ended by their output, with its length."""
+        joined = {item.request.request_id for item in rec.in_flight}
+        return {e.request_id: e.num_output_tokens for e in events
+                if isinstance(e, ev.RequestRetired) and e.request_id in joined and e.reason != "abort"}
+    assert len(served(rec.events)) >= 6
+    assert all(served(run.events) == served(rec.events) for run in what.runs)
+    # under async scheduling a snapshot can fall while a step is in flight: they are left out, said so
+    header = {**result["header"], "engine": {**result["header"]["engine"], "async_scheduling": True}}
+    asynchronous = read_recording(write(tmp_path / "async.jsonl", header, events[joined_at:]))
+    assert not asynchronous.joins_in_flight and vllm_replay.harness_joined(asynchronous) == []
+    assert f"{len(rec.in_flight)} requests were in flight when the recording began and are left out" in \
+        asynchronous.replay_words()[0]
 
 
 def test_a_request_arrives_when_vllms_request_says_and_is_taken_in_at_a_step_boundary(made):
