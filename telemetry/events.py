@@ -18,7 +18,8 @@ from dataclasses import dataclass, fields
 # 4: RequestArrived's since_arrival_s
 # 5: RequestArrived's input_s
 # 6: EngineSnapshot's priorities, num_preemptions and new_token_ratio (a replay can start from one)
-# 7: RequestArrived's prompt_blocks (a replay shares prefixes as the recorded prompts did)
+# 7: RequestArrived's and EngineSnapshot's prompt_blocks, EngineSnapshot's num_hit_blocks and
+#    free_blocks (a replay shares prefixes as the recorded prompts did)
 SCHEMA_VERSION = 7
 
 
@@ -312,6 +313,10 @@ class EngineSnapshot(Event):
     priorities: tuple[int, ...] = ()      # per request (empty: not known)
     num_preemptions: tuple[int, ...] = () # per request (empty: not known)
     new_token_ratio: float | None = None  # retraction's admission estimate (None: the engine has none)
+    prompt_blocks: tuple[tuple[str, ...], ...] = ()   # per request, as RequestArrived's (empty: not known)
+    num_hit_blocks: tuple[int, ...] = ()  # per request, the cache's at its last admission (empty: not known)
+    # the KV pool's free queue, the next block taken first: a cached block by name, "" an empty one
+    free_blocks: tuple[str, ...] | None = None        # None: not known
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -362,6 +367,11 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return names
 
 
+def _tuples(value: list) -> tuple:
+    """A JSON array as a tuple, and each array in it (EngineSnapshot's prompt_blocks)."""
+    return tuple(tuple(item) if isinstance(item, list) else item for item in value)
+
+
 def event_from_dict(data: dict) -> Event:
     """Inverse of Event.to_dict; raises ValueError on an unknown kind or missing fields."""
     kind = data.get("kind")
@@ -372,7 +382,7 @@ def event_from_dict(data: dict) -> Event:
         values = {}
         for name in _field_names(cls):
             value = data[name]
-            values[name] = tuple(value) if isinstance(value, list) else value
+            values[name] = _tuples(value) if isinstance(value, list) else value
         return cls(**values)
     except KeyError as missing:
         raise ValueError(f"{kind} event lacks field {missing}") from None

@@ -58,8 +58,9 @@ _V3_DEFAULTS = {"RequestArrived": {"since_arrival_s": 0.0}}
 _V4_DEFAULTS = {"RequestArrived": {"input_s": 0.0}}
 # Version 5's snapshots did not say the requests' priorities and preemptions or retraction's estimate.
 _V5_DEFAULTS = {"EngineSnapshot": {"priorities": [], "num_preemptions": [], "new_token_ratio": None}}
-# Version 6 did not name a request's prompt blocks.
-_V6_DEFAULTS = {"RequestArrived": {"prompt_blocks": []}}
+# Version 6 did not name a request's prompt blocks or the pool's free queue.
+_V6_DEFAULTS = {"RequestArrived": {"prompt_blocks": []},
+                "EngineSnapshot": {"prompt_blocks": [], "num_hit_blocks": [], "free_blocks": None}}
 
 
 # What each version lacked, by version: an older event gets each later version's defaults in turn.

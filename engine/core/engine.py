@@ -182,13 +182,13 @@ class Engine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.prompt_blocks = tuple(self.kv.prompt_blocks(request.request_id, request.prompt_token_ids))
         self.scheduler.add(request)
         self._emit(ev.RequestArrived, request_id=request.request_id,
                    num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.sampling.max_tokens,
                    priority=request.priority,
                    since_arrival_s=max(0.0, time.monotonic() - request.arrival_time),
-                   input_s=request.input_s,
-                   prompt_blocks=tuple(self.kv.prompt_blocks(request.request_id, request.prompt_token_ids)))
+                   input_s=request.input_s, prompt_blocks=request.prompt_blocks)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (a long-running engine calls this once its result is read)."""

@@ -121,6 +121,23 @@ class KVCacheManager:
         """Blocks some request holds (a block shared by several counts once)."""
         return self.num_blocks - len(self._free)
 
+    def free_queue(self) -> tuple[str, ...]:
+        """The free blocks, the next one taken first: a cached block by its hash's short name, an empty
+        one as ""."""
+        return tuple("" if (h := self._hash_of[block]) is None else prefix_id(h) for block in self._free)
+
+    def restore_free_queue(self, hashes: list[tuple[bytes, bytes] | None]) -> None:
+        """The free queue as a snapshot had it (a replay that starts from one): the free blocks in their
+        order, the i-th empty (None) or cached under (hash, its prefix's first hash). A hash some block
+        holds already leaves its block empty; blocks past the list stay empty."""
+        for block, entry in zip(list(self._free), hashes):
+            if entry is None or entry[0] in self._cached:
+                continue
+            h, root = entry
+            self._hash_of[block], self._cached[h] = h, block
+            self._root_of[block] = ROOT if h == root else root
+            self._num_cached_free += 1
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -24,6 +24,7 @@ class Request:
     priority: int = 0                # lower value is served first under the priority policy
     arrival_seq: int = 0             # tie-break: order of arrival
     input_s: float = 0.0             # a server's input path: from its receipt to the engine's hands
+    prompt_blocks: tuple[str, ...] = ()   # its full prompt blocks by prefix-cache hash (set on arrival)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING

@@ -214,4 +214,7 @@ class StepEvents:
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
             kv_blocks_cached=kv.num_cached_blocks, priorities=tuple(r.priority for r in requests),
             num_preemptions=tuple(r.num_preemptions for r in requests),
-            new_token_ratio=scheduler.new_token_ratio)
+            new_token_ratio=scheduler.new_token_ratio,
+            prompt_blocks=tuple(r.prompt_blocks for r in requests),
+            num_hit_blocks=tuple(r.cache.num_hit_blocks if r.cache else 0 for r in requests),
+            free_blocks=kv.free_queue() if kv.enable_caching else None)

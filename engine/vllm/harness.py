@@ -17,12 +17,13 @@ it follows vLLM's engine core (a batch queue of two): step N+1 is scheduled befo
 JSON in: a trace is a list of requests (`TraceRequest`'s fields: `arrival_s`, `prompt_token_ids` or
 `num_prompt_tokens`, `output_len`, `max_tokens`, `priority`, `abort_s`); limits are `Limits`'
 fields; `joined` (`Joined`'s fields) lists requests already in the scheduler when the run starts (a
-recording joined mid-run: running ones with their KV blocks, the rest queued). A step time is a constant, a table (`{"table_s": [...]}`: the k-th step that schedules
-tokens lasts `table_s[k]`, and starts no earlier than `starts_s[k]` where given: a recording's
-own timeline) or a linear law over the step's shape, what `batchtop whatif` fits: the
-forward `{"law": {feature: seconds per unit}, "intercept_s": a}` (features of `StepRecord`) times a
-constant `"scale"` or a factor drawn per step from a recorded `"slowdown"` (telemetry/slowdown.py's
-fields, with `"seed"`), plus an unscaled `"overhead": {"intercept_s": b, feature: seconds per unit}`.
+recording joined mid-run: running ones with their KV blocks, the rest queued). A step time is a
+constant, a table (`{"table_s": [...]}`: the k-th step that schedules tokens lasts `table_s[k]`,
+and starts no earlier than `starts_s[k]` where given: a recording's own timeline) or a linear law
+over the step's shape, what `batchtop whatif` fits: the forward `{"law": {feature: seconds per
+unit}, "intercept_s": a}` (features of `StepRecord`) times a constant `"scale"` or a factor drawn
+per step from a recorded `"slowdown"` (telemetry/slowdown.py's fields, with `"seed"`), plus an
+unscaled `"overhead": {"intercept_s": b, feature: seconds per unit}`.
 JSON out: `steps` (one `StepRecord` each), `requests` (one `RequestRecord` each) and, under
 batchtop's class with `--events`, the events as docs/events.md's JSON, stamped with the virtual
 clock (their times and step timings are the virtual ones, as a recording of the run would read),
@@ -54,7 +55,13 @@ from typing import Callable
 import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    get_request_block_hasher,
+    hash_block_tokens,
+    init_none_hash,
+    make_block_hash_with_group_id,
+)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -131,6 +138,7 @@ class Joined:
     num_computed_tokens: int = 0
     num_blocks: int = 0  # KV blocks it held
     num_preemptions: int = 0
+    num_hit_blocks: int | None = None  # leading blocks the prefix cache gave it at its admission
 
 
 @dataclass(frozen=True)
@@ -258,9 +266,14 @@ class Harness:
         step_starts: list[float] | None = None,
         events_to: Callable[[list], None] | None = None,
         joined: list[Joined] = (),
+        free_blocks: list[str] = (),
+        blocks: dict[str, list] | None = None,
     ):
         self.scheduler = scheduler
         self._joining = list(joined)  # taken in when the run starts (on its clock)
+        # the pool's free queue then (a cached block by name, "" an empty one), and each name's parent
+        # name and tokens: cached under the hash vLLM gives those tokens
+        self._free_names, self._blocks = list(free_blocks), blocks or {}
         self.trace = sorted(
             ((r.request_id or str(i), r) for i, r in enumerate(trace)), key=lambda item: item[1].arrival_s
         )
@@ -285,11 +298,11 @@ class Harness:
         self._output_len: dict[str, int] = {}
         self._shapes: dict[int, dict] = {}  # id(scheduler output): its shape, until its update
         cache = scheduler.cache_config
-        self._block_hasher = None
+        self._block_hasher = self._hash_fn = None
         if cache.enable_prefix_caching:
             from vllm.utils.hashing import get_hash_fn_by_name
 
-            hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+            hash_fn = self._hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
             init_none_hash(hash_fn)
             self._block_hasher = get_request_block_hasher(scheduler.block_size, hash_fn)
 
@@ -342,7 +355,9 @@ class Harness:
                 request.status = RequestStatus.RUNNING
                 size = s.block_size
                 tokens = max(item.num_computed_tokens, (item.num_blocks - 1) * size + 1)
-                if item.num_blocks and s.kv_cache_manager.allocate_slots(request, tokens) is None:
+                shared, num_shared = self._shared(request, item)
+                if item.num_blocks and s.kv_cache_manager.allocate_slots(
+                        request, tokens - num_shared, num_shared, shared) is None:
                     raise ValueError(f"{request_id}: its {item.num_blocks} KV blocks at the recording's "
                                      "start do not fit the pool")
                 request.num_computed_tokens = item.num_computed_tokens
@@ -354,7 +369,60 @@ class Harness:
             if observer is not None:
                 slot = item.slot if item.status == "running" else -1
                 observer.joined(request, slot, item.num_output_tokens)
+        if observer is not None and self._joining:
+            observer.mirror.fill_holes()
         self._joining = []
+        if self._hash_fn is not None:
+            self._restore_free_queue()
+
+    def _restore_free_queue(self) -> None:
+        """The free queue's blocks, in order, cached as the snapshot had them: a name some prompt of the
+        trace gives under the hash vLLM computes of its tokens, another under a hash of its own (never
+        hit, evicted in its turn). A hash some block holds already leaves its block empty."""
+        hashes: dict[str, BlockHash | None] = {}
+
+        def hash_of(name: str) -> BlockHash | None:
+            if name not in hashes:
+                hashes[name] = None
+                entry = self._blocks.get(name)
+                if entry is not None:
+                    parent = hash_of(entry[0]) if entry[0] else None
+                    if parent is not None or not entry[0]:
+                        hashes[name] = hash_block_tokens(self._hash_fn, parent, entry[1])
+            return hashes[name]
+
+        def prefix_of(name: str) -> str:
+            while self._blocks.get(name, (None,))[0]:
+                name = self._blocks[name][0]
+            return name
+
+        pool = self.scheduler.kv_cache_manager.block_pool
+        observer = getattr(self.scheduler, "batchtop_observer", None)
+        for block, name in zip(pool.free_block_queue.get_all_free_blocks(), self._free_names):
+            if not name:
+                continue
+            h = hash_of(name) or BlockHash(("unseen " + name).encode())
+            key = make_block_hash_with_group_id(h, 0)
+            if pool.cached_block_hash_to_block.get_one_block(key) is not None:
+                continue
+            block.set_block_hash(key)
+            pool.cached_block_hash_to_block.insert(key, block)
+            if observer is not None and observer.cache is not None:
+                observer.cache.restored(block, prefix_of(name) if hashes.get(name) else "")
+
+    def _shared(self, request, item: Joined) -> tuple[object, int]:
+        """The cached blocks a running request joined shares with those taken in before it (vLLM's own
+        lookup), at most as many as the cache gave it at its admission (`num_hit_blocks`) and among its
+        computed tokens: (blocks, tokens)."""
+        manager = self.scheduler.kv_cache_manager
+        blocks, num_cached = manager.get_computed_blocks(request)[:2]
+        num_blocks = min(num_cached, item.num_computed_tokens) // self.scheduler.block_size
+        if item.num_hit_blocks is not None:
+            num_blocks = min(num_blocks, item.num_hit_blocks)
+        if num_blocks == 0:
+            return None, 0
+        return manager.create_kv_cache_blocks(tuple(group[:num_blocks] for group in blocks.blocks)), \
+            num_blocks * self.scheduler.block_size
 
     def _arrive_and_abort(self) -> None:
         while (
@@ -616,6 +684,7 @@ def run_job(job: dict) -> dict:
     recorder joining then starts with)."""
     trace = trace_of(job["trace"])
     joined = [Joined(**{**row, "request": trace_of([row["request"]])[0]}) for row in job.get("joined", ())]
+    free_blocks = job.get("free_blocks", ())
     limits = Limits(**job.get("limits", {}))
     step_fields = step_fields_of(job)
     kind = job.get("scheduler", "vllm")
@@ -642,7 +711,8 @@ def run_job(job: dict) -> dict:
             snapshot_before = None
 
     harness.append(Harness(scheduler, trace, step_time=step_time, step_starts=starts, events_to=events_to,
-                           joined=joined, between_steps=between_steps if snapshot_before else None))
+                           joined=joined, free_blocks=free_blocks, blocks=job.get("blocks"),
+                           between_steps=between_steps if snapshot_before else None))
     # the cycle collector paused for the run: it builds requests and events by the ten thousand and frees
     # none until the end, so a collection would walk them all for nothing
     collecting = gc.isenabled()

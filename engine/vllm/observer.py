@@ -32,13 +32,15 @@ from .slots import TOKEN_ID_BYTES, InputBatchMirror
 
 class _Track:
     """What batchtop keeps of one live request: counts the events report."""
-    __slots__ = ("num_prompt_tokens", "arrival_time", "num_output_tokens", "got_first_token")
+    __slots__ = ("num_prompt_tokens", "arrival_time", "num_output_tokens", "got_first_token",
+                 "num_hit_blocks")
 
     def __init__(self, num_prompt_tokens: int, arrival_time: float):
         self.num_prompt_tokens = num_prompt_tokens
         self.arrival_time = arrival_time        # vLLM's, time.time() when the API server took the request
         self.num_output_tokens = 0
         self.got_first_token = False
+        self.num_hit_blocks = 0                 # the prefix cache's at its last admission
 
 
 class _Step:
@@ -158,6 +160,8 @@ class StepObserver:
         lookups = self._cache_step(output, resumed + new_reqs, requests, plan)
         for request_id, computed in resumed + new_reqs:   # computed > 0: a prefix-cache hit
             fields = lookups[request_id].fields() if request_id in lookups else {}
+            if request_id in self._tracks:
+                self._tracks[request_id].num_hit_blocks = fields.get("num_hit_blocks", 0)
             mark = self._wait_marks.pop(request_id, None)
             wait_reasons, wait_s = self.wait_clock.split(mark, decided_t) if mark else ((), ())
             plan.append((ev.RequestAdmitted, dict(request_id=request_id, slot=admitted[request_id],
@@ -332,4 +336,8 @@ class StepObserver:
                    max_tokens=tuple(r.max_tokens for r, _ in entries), kv_blocks_used=used,
                    kv_blocks_total=total, kv_blocks_cached=self._num_cached_blocks(),
                    priorities=tuple(r.priority for r, _ in entries),
-                   num_preemptions=tuple(r.num_preemptions for r, _ in entries))
+                   num_preemptions=tuple(r.num_preemptions for r, _ in entries),
+                   prompt_blocks=(tuple(self.cache.prompt_blocks(r) for r, _ in entries)
+                                  if self.cache is not None else ()),
+                   num_hit_blocks=tuple(self._tracks[r.request_id].num_hit_blocks for r, _ in entries),
+                   free_blocks=self.cache.free_queue() if self.cache is not None else None)

@@ -94,6 +94,22 @@ class PrefixCacheWatch:
         num_full = request.num_prompt_tokens // self.block_size
         return tuple(prefix_id(h) for h in request.block_hashes[:num_full])
 
+    def free_queue(self) -> tuple[str, ...] | None:
+        """vLLM's free blocks, the next one handed out first: a cached block by its hash's short name, an
+        empty one as ""; None where caching is off."""
+        if not self.enabled:
+            return None
+        return tuple("" if block.block_hash is None else prefix_id(self._block_hash(block.block_hash))
+                     for block in self._pool.free_block_queue.get_all_free_blocks())
+
+    def restored(self, block, prefix: str) -> None:
+        """A free block given a hash by a run that starts from a snapshot (the harness): cached, of the
+        prefix `prefix`."""
+        self._hash_of[block.block_id] = block.block_hash
+        self._block_hash_of[block.block_id] = self._block_hash(block.block_hash)
+        self._root_of[block.block_id] = prefix
+        self._free_cached.add(block.block_id)
+
     # -- one step ------------------------------------------------------------------------------
 
     def preempting(self, request_id: str) -> None:

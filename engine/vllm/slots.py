@@ -46,6 +46,14 @@ class InputBatchMirror:
         self.slot_of[request_id] = slot
         self._rows[slot] = request_id
 
+    def fill_holes(self) -> None:
+        """After `place`: a row below the highest placed one that no placed request holds was a request's
+        that finished in the step before the snapshot (the worker frees its row at the next update); a
+        stand-in holds it, and leaves at the next update as a row that step does not schedule."""
+        for slot in range(max(self._rows, default=-1)):
+            if slot not in self._rows:
+                self.place(f"<finished row {slot}>", slot)
+
     def update(self, finished: set[str], scheduled: set[str], resumed: set[str], to_add: list[str],
                num_tokens_of) -> BatchUpdate:
         """Apply one step's changes in the worker's order. `to_add` lists the new requests, then the

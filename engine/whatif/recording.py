@@ -87,6 +87,7 @@ class InFlight:
     num_computed_tokens: int
     num_blocks: int                    # KV blocks it held
     num_preemptions: int               # before the recording began (a preempted one computes again)
+    num_hit_blocks: int | None = None  # leading blocks the prefix cache gave it at its last admission
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class Recording:
     in_flight: tuple[InFlight, ...] = ()   # requests in its first snapshots that arrived before it began
     unseen: tuple[str, ...] = ()           # others its events name without an arrival, in no snapshot
     start_new_token_ratio: float | None = None   # retraction's estimate in a snapshot before its first step
+    start_free_blocks: tuple[str, ...] | None = None   # the pool's free queue in that snapshot (names)
     num_before_snapshot: int = 0           # events before its joining snapshot: left out
 
     @property
@@ -240,16 +242,18 @@ def recording_from(header: dict, events: list[ev.Event], path: str = "<events>")
     setup = (_vllm_setup if made_inside_vllm(header) else _setup)(
         header, events, requests + [item.request for item in in_flight])
     changes = [(e.t - t0, e.name, e.new) for e in events if isinstance(e, ev.KnobChanged)]
+    joining = _joining_snapshot(events)
     return Recording(path, header, events, t0, requests, setup, changes, in_flight, unseen,
-                     _start_new_token_ratio(events), whole - len(events))
+                     joining.new_token_ratio if joining else None, joining.free_blocks if joining else None,
+                     whole - len(events))
 
 
-def _start_new_token_ratio(events: list[ev.Event]) -> float | None:
-    """Retraction's admission estimate in the snapshot a recorder that joined a running engine starts
-    with (before the first step it holds)."""
+def _joining_snapshot(events: list[ev.Event]) -> ev.EngineSnapshot | None:
+    """The snapshot a recorder that joined a running engine starts with (before the first step it
+    holds): retraction's admission estimate then, the pool's free queue."""
     for e in events:
         if isinstance(e, ev.EngineSnapshot):
-            return e.new_token_ratio
+            return e
         if isinstance(e, ev.StepPlanned):
             return None
     return None
@@ -294,7 +298,9 @@ def _in_flight(events: list[ev.Event], requests: list[TraceRequest],
                     listed[request_id] = (e.statuses[i], e.slots[i], e.num_prompt_tokens[i],
                                           e.num_output_tokens[i], e.num_computed_tokens[i], e.num_blocks[i],
                                           e.max_tokens[i], e.priorities[i] if e.priorities else 0,
-                                          e.num_preemptions[i] if e.num_preemptions else preempted)
+                                          e.num_preemptions[i] if e.num_preemptions else preempted,
+                                          e.prompt_blocks[i] if e.prompt_blocks else (),
+                                          e.num_hit_blocks[i] if e.num_hit_blocks else None)
         elif kind is ev.FirstToken:
             first_token[e.request_id] = e.t - e.ttft_s - t0
         elif kind is ev.RequestRetired:
@@ -303,15 +309,15 @@ def _in_flight(events: list[ev.Event], requests: list[TraceRequest],
             named[request_id] = None
     in_flight = []
     for request_id, (status, slot, prompt, output, computed, blocks, max_tokens, priority,
-                     preemptions) in listed.items():
+                     preemptions, prompt_blocks, hit_blocks) in listed.items():
         arrival_s = min(first_token.get(request_id, 0.0), 0.0)
         r = retired.get(request_id)
         reason = r.reason if r is not None else "unfinished"
         aborted = reason in QUEUE_EXITS
         ended_with = max_tokens if r is None or aborted else max(1, r.num_output_tokens)
         trace = TraceRequest(request_id, arrival_s, prompt, max_tokens, priority, ended_with, reason,
-                             r.t - t0 - arrival_s if aborted else None)
-        in_flight.append(InFlight(trace, status, slot, output, computed, blocks, preemptions))
+                             r.t - t0 - arrival_s if aborted else None, prompt_blocks=prompt_blocks)
+        in_flight.append(InFlight(trace, status, slot, output, computed, blocks, preemptions, hit_blocks))
     return tuple(in_flight), tuple(r for r in named if r not in listed)
 
 

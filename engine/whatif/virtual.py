@@ -10,11 +10,11 @@ are a real recording's events, with a real recording's times when the caller giv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from batchtop.engine.core.batch import BatchStep, PersistentBatch
-from batchtop.engine.core.kv_cache import KVCacheManager
+from batchtop.engine.core.kv_cache import ROOT, CacheLookup, KVCacheManager, block_hash
 from batchtop.engine.core.request import Request, Status
 from batchtop.engine.core.sampling import SamplingParams
 from batchtop.engine.core.scheduler import Scheduler, SchedulerKnobs
@@ -104,6 +104,7 @@ class VirtualEngine:
                           SamplingParams(max_tokens=item.max_tokens), min(now, item.arrival_s),
                           priority=item.priority, arrival_seq=len(self.requests))
         self.requests[item.request_id] = request
+        request.prompt_blocks = tuple(self.kv.prompt_blocks(item.request_id, request.prompt_token_ids))
         if item.stops:
             self._stops_at[item.request_id] = item.num_output_tokens
         self.scheduler.add(request)
@@ -111,8 +112,7 @@ class VirtualEngine:
             self._emit(ev.RequestArrived, request_id=item.request_id,
                        num_prompt_tokens=item.num_prompt_tokens, max_tokens=item.max_tokens,
                        priority=item.priority, since_arrival_s=now - request.arrival_time,
-                       input_s=item.input_s,
-                       prompt_blocks=tuple(self.kv.prompt_blocks(item.request_id, request.prompt_token_ids)))
+                       input_s=item.input_s, prompt_blocks=request.prompt_blocks)
 
     def take_in_flight(self, rec: Recording, now: float) -> None:
         """Start from the requests a recording joined, as its first snapshot had them (`InFlight`), and
@@ -121,6 +121,26 @@ class VirtualEngine:
             self._take_in_flight(item, now)
         if rec.start_new_token_ratio is not None:
             self.scheduler.new_token_ratio = rec.start_new_token_ratio
+        if rec.start_free_blocks is not None and self.kv.enable_caching:
+            self.kv.restore_free_queue(self._free_queue(rec, rec.start_free_blocks))
+
+    def _free_queue(self, rec: Recording, names: tuple[str, ...]) -> list[tuple[bytes, bytes] | None]:
+        """The snapshot's free queue in this engine's hashes: a cached block that some prompt of the
+        recording names gets the hash that prompt's made-up tokens give it (and its prefix's first),
+        one no prompt names a hash of its own (never hit, evicted in its turn)."""
+        hashes: dict[str, tuple[bytes, bytes]] = {}
+        size = self.kv.block_size
+        for item in [*rec.requests, *(joined.request for joined in rec.in_flight)]:
+            tokens, parent = self.tokens.prompt(item), ROOT
+            for index, name in enumerate(item.prompt_blocks[: item.num_prompt_tokens // size]):
+                h = block_hash(parent, tokens[index * size: (index + 1) * size])
+                hashes.setdefault(name, (h, hashes[item.prompt_blocks[0]][0] if index else h))
+                parent = h
+        queue = []
+        for name in names:
+            own = ("unseen " + name).encode()
+            queue.append(None if not name else hashes.get(name, (own, own)))
+        return queue
 
     def _take_in_flight(self, item: InFlight, now: float) -> None:
         """A running request (or a static batch's padding row) in its row of the batch with its computed
@@ -138,10 +158,12 @@ class VirtualEngine:
             return
         self.scheduler.waiting.remove(request)
         tokens = max(item.num_computed_tokens, (item.num_blocks - 1) * self.kv.block_size + 1)
-        if item.num_blocks and self.kv.try_allocate(request.request_id, tokens) is None:
+        if item.num_blocks and self.kv.try_allocate(request.request_id, tokens,
+                                                    self._shared(request, item)) is None:
             raise ValueError(f"{request.request_id}: its {item.num_blocks} KV blocks at the recording's "
                              f"start do not fit the pool of {self.setup.num_kv_blocks}")
         request.num_computed_tokens, request.admit_time = item.num_computed_tokens, now
+        self.kv.cache_computed(request.request_id, request.all_token_ids, item.num_computed_tokens)
         if item.status == "padding":
             request.status, request.finish_reason = Status.FINISHED, "length"
             self.scheduler.padding.append(request)
@@ -150,6 +172,17 @@ class VirtualEngine:
             self.scheduler.running.append(request)
         self.batch.place(request.request_id, item.slot, request.all_token_ids)
         self.batch.sync_blocks(request.request_id, self.kv.block_ids(request.request_id))
+
+    def _shared(self, request: Request, item: InFlight) -> CacheLookup:
+        """The blocks a running request joined shares with those taken in before it: its cached leading
+        blocks among its computed tokens, as many as the cache gave it at its admission where the
+        snapshot says."""
+        found = self.kv.lookup(request.request_id, request.all_token_ids)
+        num_shared = item.num_computed_tokens // self.kv.block_size
+        if item.num_hit_blocks is not None:
+            num_shared = min(num_shared, item.num_hit_blocks)
+        shared = found.block_ids[:num_shared]
+        return replace(found, block_ids=shared, num_cached_tokens=len(shared) * self.kv.block_size)
 
     def abort(self, request_id: str, now: float, reason: str = "abort") -> bool:
         request = self.requests.get(request_id)

@@ -92,14 +92,21 @@ class HarnessProcess:
         self.close()
 
 
-def harness_trace(rec: Recording, as_scheduled: bool = False) -> list[dict]:
+def prompt_tokens(rec: Recording) -> PromptTokens | None:
+    """Where vLLM cached prefixes, the made-up prompts of a run (its trace's and its joined requests',
+    from one instance): they share the blocks the recorded prompts shared."""
+    if not rec.setup.enable_prefix_caching:
+        return None
+    return PromptTokens(rec.setup.block_size, *HARNESS_TOKEN_IDS)
+
+
+def harness_trace(rec: Recording, as_scheduled: bool = False,
+                  tokens: PromptTokens | None = None) -> list[dict]:
     """The recording's requests as the harness's TraceRequest fields. A request arrives when vLLM's
     `Request` says (the API server took it before the scheduler saw it: RequestArrived's `arrival_t`, or
     in a recording that lacks it, its FirstToken's time less its TTFT), else, or `as_scheduled` (the
     identity replay, on the recording's own timeline), when the scheduler saw it (RequestArrived's `t`).
-    Where vLLM cached prefixes, each prompt's token ids share the blocks the recorded prompt shared."""
-    setup = rec.setup
-    tokens = PromptTokens(setup.block_size, *HARNESS_TOKEN_IDS) if setup.enable_prefix_caching else None
+    With `tokens`, each prompt's token ids share the blocks the recorded prompt shared."""
     taken_in = {e.request_id: e.t - rec.t0 for e in rec.events if isinstance(e, ev.RequestArrived)}
     first_token_less_ttft = {e.request_id: e.t - e.ttft_s - rec.t0 for e in rec.events
                              if isinstance(e, ev.FirstToken)}
@@ -109,32 +116,56 @@ def harness_trace(rec: Recording, as_scheduled: bool = False) -> list[dict]:
             arrival_s = taken_in[r.request_id]
         else:
             arrival_s = min(first_token_less_ttft.get(r.request_id, r.arrival_s), r.arrival_s)
-        row = _harness_request(r, max(arrival_s - EARLY_S, 0.0))
-        if tokens is not None and r.prompt_blocks:
-            row["prompt_token_ids"] = tokens.prompt(r)
-        trace.append(row)
+        trace.append(_harness_request(r, max(arrival_s - EARLY_S, 0.0), tokens))
     return trace
 
 
-def _harness_request(r: TraceRequest, arrival_s: float) -> dict:
+def harness_free_queue(rec: Recording, tokens: PromptTokens | None) -> dict:
+    """The pool's free queue when the recording began (its joining snapshot's, where vLLM cached
+    prefixes and the run starts from the requests then in flight): `free_blocks`, each cached block by
+    name ("" an empty one), and `blocks`, each of those names a made-up prompt gives (with its
+    ancestors) as its parent's name and its tokens, so the harness hashes them as vLLM does."""
+    names = rec.start_free_blocks
+    if tokens is None or names is None or not rec.joins_in_flight:
+        return {}
+    size = rec.setup.block_size
+    chain: dict[str, tuple[str | None, list[int]]] = {}
+    for item in [*rec.requests, *(joined.request for joined in rec.in_flight)]:
+        prompt, parent = tokens.prompt(item), None
+        for index, name in enumerate(item.prompt_blocks[: item.num_prompt_tokens // size]):
+            chain.setdefault(name, (parent, prompt[index * size: (index + 1) * size]))
+            parent = name
+    blocks: dict[str, list] = {}
+    for name in names:
+        while name in chain and name not in blocks:
+            parent, block_tokens = chain[name]
+            blocks[name] = [parent, block_tokens]
+            name = parent
+    return {"free_blocks": list(names), "blocks": blocks}
+
+
+def _harness_request(r: TraceRequest, arrival_s: float, tokens: PromptTokens | None) -> dict:
     row = {"request_id": r.request_id, "arrival_s": arrival_s, "num_prompt_tokens": r.num_prompt_tokens,
            "max_tokens": r.max_tokens, "output_len": r.num_output_tokens if r.stops else r.max_tokens,
            "priority": r.priority}
     if r.abort_after_s is not None:
         row["abort_s"] = r.arrival_s + r.abort_after_s - EARLY_S
+    if tokens is not None and r.prompt_blocks:
+        row["prompt_token_ids"] = tokens.prompt(r)
     return row
 
 
-def harness_joined(rec: Recording) -> list[dict]:
+def harness_joined(rec: Recording, tokens: PromptTokens | None = None) -> list[dict]:
     """The requests in flight when the recording began, as its first snapshot had them (the harness's
     Joined): every run starts with them in vLLM's scheduler (none where it cannot:
     Recording.joins_in_flight)."""
     if not rec.joins_in_flight:
         return []
-    return [{"request": _harness_request(item.request, item.request.arrival_s), "status": item.status,
-             "slot": item.slot, "num_output_tokens": item.num_output_tokens,
+    return [{"request": _harness_request(item.request, item.request.arrival_s, tokens),
+             "status": item.status, "slot": item.slot, "num_output_tokens": item.num_output_tokens,
              "num_computed_tokens": item.num_computed_tokens, "num_blocks": item.num_blocks,
-             "num_preemptions": item.num_preemptions} for item in rec.in_flight]
+             "num_preemptions": item.num_preemptions, "num_hit_blocks": item.num_hit_blocks}
+            for item in rec.in_flight]
 
 
 
@@ -172,7 +203,9 @@ def _job(rec: Recording, step_time, changed: dict | None = None, as_scheduled: b
     """A harness run of the recording's trace; of each step only its shape comes back (the replay reads
     nothing else of the steps, and no request records: the events carry what the table needs), and
     without `events` only the events' summary (the table's figures, computed in the harness)."""
-    return {"trace": harness_trace(rec, as_scheduled), "joined": harness_joined(rec),
+    tokens = prompt_tokens(rec)
+    return {"trace": harness_trace(rec, as_scheduled, tokens), "joined": harness_joined(rec, tokens),
+            **harness_free_queue(rec, tokens),
             "limits": harness_limits(rec, changed),
             "scheduler": "batchtop", "events": events, "summary": not events, "step_time": step_time,
             "step_fields": list(SHAPE_FIELDS), "requests": False}

@@ -121,6 +121,23 @@ def test_prompts_that_shared_prefixes_share_them_in_the_replay(shared_prefixes):
     assert sum(n for _, n in cached_at_admission(wider.events)) > 0
 
 
+@pytest.mark.parametrize("join_at", [40, 62, 100])
+def test_a_recording_joined_mid_run_shares_prefixes_as_the_engine_did(tiny, join_at):
+    """Joined while requests share prefixes: the snapshot names each request's prompt blocks, how many
+    of its blocks the cache gave it at admission, and the pool's free queue (cached blocks by name, in
+    eviction order). The replay shares those blocks among the requests in flight as the engine did
+    (two that computed one prefix side by side hold a copy each) and starts its pool's free queue
+    with the same cached blocks: every step as recorded, with each admission's cached tokens."""
+    rec = record_engine(tiny, steps=150, seed=11, num_prefixes=5, num_kv_blocks=36, join_at=join_at)
+    snapshot = rec.events[0]
+    assert sum(snapshot.num_blocks) >= snapshot.kv_blocks_used        # blocks shared, or copies held
+    assert rec.start_free_blocks == snapshot.free_blocks and len(snapshot.free_blocks) == \
+        snapshot.kv_blocks_total - snapshot.kv_blocks_used
+    identity = replay_identity(rec)
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    assert cached_at_admission(identity.events) == cached_at_admission(rec.events)
+
+
 def test_a_recording_that_names_no_prompt_blocks_replays_without_hits_and_says_so(shared_prefixes):
     """A recording before prompt blocks were named (schema 6) cannot share the prefixes: the replay
     computes every prompt token, the schedule differs, and the table says why."""

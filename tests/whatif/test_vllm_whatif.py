@@ -86,11 +86,8 @@ def test_the_identity_replay_through_the_harness_schedules_every_recorded_step(m
     assert what.identity.first_mismatch is None and what.identity.match_share == 1.0
 
 
-def test_prompts_that_shared_prefixes_in_vllm_share_them_in_its_replay(harness, tmp_path):
-    """vLLM caching prefixes: the arrivals name each prompt's full blocks by vLLM's hashes, and the
-    replay's made-up prompts share what those share, so vLLM's prefix cache hits as it did: every step
-    as recorded, each admission with the recorded cached tokens (a prompt of its own would hit
-    nothing and change the schedule)."""
+def prefix_trace() -> list[dict]:
+    """trace()'s arrivals with prompts of 4 shared prefixes (1-4 blocks of 16) and tails of their own."""
     rng = random.Random(7)
     prefixes = [[rng.randrange(10, 30_000) for _ in range(16 * rng.randint(1, 4))] for _ in range(4)]
     requests = trace(60, seed=9)
@@ -98,13 +95,22 @@ def test_prompts_that_shared_prefixes_in_vllm_share_them_in_its_replay(harness, 
         tail = [rng.randrange(10, 30_000) for _ in range(rng.randint(0, 30))]
         row["prompt_token_ids"] = rng.choice(prefixes) + tail
         del row["num_prompt_tokens"]
-    result = harness.run({"trace": requests, "limits": {**LIMITS, "enable_prefix_caching": True},
+    return requests
+
+
+def cached(events) -> list[tuple[str, int]]:
+    return [(e.request_id, e.num_cached_tokens) for e in events if isinstance(e, ev.RequestAdmitted)]
+
+
+def test_prompts_that_shared_prefixes_in_vllm_share_them_in_its_replay(harness, tmp_path):
+    """vLLM caching prefixes: the arrivals name each prompt's full blocks by vLLM's hashes, and the
+    replay's made-up prompts share what those share, so vLLM's prefix cache hits as it did: every step
+    as recorded, each admission with the recorded cached tokens (a prompt of its own would hit
+    nothing and change the schedule)."""
+    result = harness.run({"trace": prefix_trace(), "limits": {**LIMITS, "enable_prefix_caching": True},
                           "scheduler": "batchtop", "events": True, "step_time": LAW})
     rec = read_recording(write(tmp_path / "vllm-prefixes.jsonl", result["header"],
                                [ev.event_from_dict(e) for e in result["events"]]))
-
-    def cached(events):
-        return [(e.request_id, e.num_cached_tokens) for e in events if isinstance(e, ev.RequestAdmitted)]
     assert rec.setup.enable_prefix_caching and rec.setup.assumed == ()
     assert sum(n for _, n in cached(rec.events)) >= 16 * 20
     assert all(len(r.prompt_blocks) == r.num_prompt_tokens // 16 for r in rec.requests)
@@ -157,6 +163,27 @@ def test_a_vllm_recording_joined_mid_run_replays_from_its_snapshot(harness, tmp_
     assert not asynchronous.joins_in_flight and vllm_replay.harness_joined(asynchronous) == []
     assert f"{len(rec.in_flight)} requests were in flight when the recording began and are left out" in \
         asynchronous.replay_words()[0]
+
+
+@pytest.mark.parametrize("join_at", [40, 90, 120])
+def test_a_vllm_recording_joined_mid_run_shares_prefixes_as_vllm_did(harness, tmp_path, join_at):
+    """Joined while vLLM caches shared prefixes: the snapshot names each request's prompt blocks, how
+    many blocks the cache gave it at admission and vLLM's free queue (cached blocks by name, in the
+    order vLLM hands them out). The harness shares those blocks among the requests in flight, caches
+    the free queue's blocks under the hashes vLLM gives the made-up prompts, and holds the row of a
+    request that finished just before the snapshot until vLLM's worker would free it (before step
+    90): every step as recorded, each admission with the recorded cached tokens."""
+    result = harness.run({"trace": prefix_trace(), "limits": {**LIMITS, "enable_prefix_caching": True},
+                          "scheduler": "batchtop", "events": True, "step_time": LAW,
+                          "snapshot_before_step": join_at})
+    events = [ev.event_from_dict(e) for e in result["events"]]
+    joined_at = next(k for k, e in enumerate(events) if isinstance(e, ev.EngineSnapshot))
+    snapshot = events[joined_at]
+    assert snapshot.kv_blocks_cached >= 7 and snapshot.free_blocks.count("") < len(snapshot.free_blocks)
+    rec = read_recording(write(tmp_path / "joined.jsonl", result["header"], events[joined_at:]))
+    identity, _ = vllm_replay.identity_through_harness(rec, harness)
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    assert cached(identity.events) == cached(rec.events) and sum(n for _, n in cached(rec.events)) > 0
 
 
 def test_a_request_arrives_when_vllms_request_says_and_is_taken_in_at_a_step_boundary(made):
