@@ -94,8 +94,8 @@ class LoadWatch:
 
 def run_real(loaded, trace: list[TraceItem], model: str = "tiny", **config) -> tuple[dict, list]:
     """The trace through the embedded engine (`loaded`, the `model` named) at `config`: (header, events).
-    No prefix caching: a recording carries token counts, not tokens, so a what-if cannot replay prefix
-    hits (a request recomputed after a preemption would hit its own blocks)."""
+    No prefix caching, as in the published runs: the trace's prompts are random and share no block
+    (a request recomputed after a preemption would hit its own blocks)."""
     events: list = []
     config = EngineConfig(model=model, flight_recorder_steps=0, enable_prefix_caching=False, **config)
     engine = Engine(config, sink=events.append, loaded=loaded)

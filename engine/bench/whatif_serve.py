@@ -64,7 +64,7 @@ PORT = 8190
 
 def serve_command(args, knobs: dict) -> list[str]:
     """`batchtop serve` at the recorded knobs with `knobs` changed (the words after `batchtop`), without
-    prefix caching (a recording carries token counts, not tokens: a what-if cannot replay prefix hits)."""
+    prefix caching, as in the published runs (the trace's random prompts share no block)."""
     command = ["serve", "--model", args.model, "--port", str(args.port),
                "--max-num-seqs", str(knobs.get("max_num_seqs", args.recorded)), "--no-enable-prefix-caching"]
     if "max_num_batched_tokens" in knobs:

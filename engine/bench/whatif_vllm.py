@@ -195,7 +195,7 @@ def wait_port_free(port: int, timeout_s: float = 60.0) -> None:
 
 
 def options(args, model: str, knobs: dict) -> VllmOptions:
-    extra = ["--no-enable-prefix-caching"]   # a live recording carries no token ids: no prefix hits replayed
+    extra = ["--no-enable-prefix-caching"]   # as in the published runs: the random prompts share no block
     if args.block_size:
         extra += ["--block-size", str(args.block_size)]
     if "max_num_batched_tokens" in knobs:

@@ -130,16 +130,18 @@ async def test_record_from_the_dashboard_then_replay_it(source, tmp_path):
 
 
 async def test_a_recording_begun_on_a_busy_engine_replays_from_its_snapshot(source, tmp_path):
-    """Recording starts while requests run and wait: the log begins with the engine's snapshot, and a
-    what-if of it starts from them, every step as recorded."""
+    """Recording starts while requests run and wait, their prompts sharing two blocks: the log begins
+    with the engine's snapshot, and a what-if of it starts from them (the 8 running ones computed the
+    prefix side by side, a copy each; the 4 waiting ones hit it later), every step as recorded."""
     from batchtop.engine.whatif.recording import read_recording
     from batchtop.engine.whatif.replay import replay_identity
     path = tmp_path / "joined.jsonl"
     app = BatchtopApp(source, tick_s=None)
     async with app.run_test(size=(120, 40)) as pilot:
         source.toggle_pause()
-        # 8 rows run, 4 wait; prompts that share no block (a what-if replays token counts, not tokens)
-        busy = [source.loop.add_request([1000 * i + j for j in range(20 + i)],
+        block_size = source.engine.config.block_size
+        shared = list(range(100, 100 + 2 * block_size))
+        busy = [source.loop.add_request(shared + [1000 * i + j for j in range(4 + i)],
                                         SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(12)]
         for _ in range(5):
             source.step_once()
@@ -155,8 +157,12 @@ async def test_a_recording_begun_on_a_busy_engine_replays_from_its_snapshot(sour
     assert type(rec.events[0]).__name__ == "EngineSnapshot" and rec.setup.assumed == ()
     assert {item.request.request_id for item in rec.in_flight} == set(busy) and rec.unseen == ()
     assert {item.status for item in rec.in_flight} == {"running", "waiting"}
+    hits = {e.request_id: e.num_cached_tokens for e in rec.events if type(e).__name__ == "RequestAdmitted"}
+    assert sum(hits[r] == 2 * block_size for r in busy[8:]) == 4
     identity = replay_identity(rec)
     assert identity.num_steps > 20 and identity.match_share == 1.0
+    assert {e.request_id: e.num_cached_tokens for e in identity.events
+            if type(e).__name__ == "RequestAdmitted"} == hits
 
 
 async def test_z_cycles_the_scenarios_on_the_live_engine(source):
