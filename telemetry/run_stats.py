@@ -138,6 +138,7 @@ class MetricsSummary:
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     wait_s_by_reason: dict[str, float] = field(default_factory=dict)   # request-seconds queued, by reason
     peak_kv: float | None = None      # the largest share of the KV pool in use at a step's end
+    prefix_hit_share: float | None = None   # of the tokens admissions looked up (resumed ones too), cached
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -173,6 +174,8 @@ class Metrics:
         self.finished_by_reason: Counter[str] = Counter()
         self.wait_s_by_reason: dict[str, float] = {}
         self.peak_kv: float | None = None
+        self.tokens_looked_up = 0          # admissions' known tokens, where the engine caches prefixes
+        self.tokens_cached = 0             # ... and those the prefix cache held
         self._ttft = array("d")
         self._tpot = array("d")
         self._itl = array("d")
@@ -233,6 +236,9 @@ class Metrics:
         rec.num_prompt_tokens = e.num_prompt_tokens
 
     def _on_admitted(self, e: RequestAdmitted) -> None:
+        if e.miss_reason != "disabled":
+            self.tokens_looked_up += e.num_known_tokens
+            self.tokens_cached += e.num_cached_tokens
         rec = self._record(e.request_id)
         if rec.admitted_t is None:
             rec.admitted_t = e.t
@@ -323,6 +329,7 @@ class Metrics:
             finished_by_reason=dict(self.finished_by_reason),
             wait_s_by_reason=dict(self.wait_s_by_reason),
             peak_kv=self.peak_kv,
+            prefix_hit_share=_ratio(self.tokens_cached, self.tokens_looked_up),
         )
 
 

@@ -55,7 +55,8 @@ class Run:
                 "itl_p99_s": s.itl.p99, "e2e_p50_s": s.e2e.p50, "e2e_p99_s": s.e2e.p99,
                 "output_tok_s": s.throughput_out_tok_s, "preemptions": s.num_preemptions + s.num_retractions,
                 "recomputed_tokens": s.tokens_recomputed, "wait_s_by_reason": s.wait_s_by_reason,
-                "peak_kv": s.peak_kv, "steps": s.num_steps, "span_s": s.span_s,
+                "peak_kv": s.peak_kv, "prefix_hit": s.prefix_hit_share, "steps": s.num_steps,
+                "span_s": s.span_s,
                 "effective_batch": s.row_steps_useful / s.num_steps if s.num_steps else None,
                 "batch_utilisation": s.batch_utilisation,
                 "extrapolated": self.extrapolation, "compute_s": self.seconds, "step_scale": self.step_scale}
@@ -195,9 +196,10 @@ def format_table(result: WhatIf) -> str:
 
 
 def format_rows(runs: list[Run]) -> str:
-    """The table's rows: latencies, throughput, preemptions, recomputed tokens, peak KV, waits."""
+    """The table's rows: latencies, throughput, preemptions, recomputed tokens, peak KV, the prefix
+    cache's share of the tokens admissions looked up ("cached"; - where the engine caches none), waits."""
     lines = [f"{'run':<34}" + "".join(f"{c:>10}" for c, _ in COLUMNS)
-             + f"{'out tok/s':>11}{'preempt':>9}{'recomp':>8}{'peak KV':>9}  waiting by reason"]
+             + f"{'out tok/s':>11}{'preempt':>9}{'recomp':>8}{'peak KV':>9}{'cached':>8}  waiting by reason"]
     for run in runs:
         row = run.row()
         waits = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(row["wait_s_by_reason"].items(),
@@ -205,7 +207,8 @@ def format_rows(runs: list[Run]) -> str:
         tok_s = row["output_tok_s"]
         lines.append(f"{run.label[:33]:<34}" + "".join(f"{_t(row[key]):>10}" for _, key in COLUMNS)
                      + f"{(f'{tok_s:.1f}' if tok_s else '-'):>11}{row['preemptions']:>9}"
-                     + f"{row['recomputed_tokens']:>8}{_pct(row['peak_kv']):>9}  {waits or '-'}")
+                     + f"{row['recomputed_tokens']:>8}{_pct(row['peak_kv']):>9}{_pct(row['prefix_hit']):>8}"
+                     + f"  {waits or '-'}")
         if run.extrapolation:
             lines.append(f"{'':<34}{run.extrapolation}")
     return "\n".join(lines)

@@ -117,8 +117,14 @@ def test_prompts_that_shared_prefixes_share_them_in_the_replay(shared_prefixes):
     assert cached_at_admission(identity.events) == cached
     planned = [(e.step, e.kv_blocks_cached) for e in identity.events if isinstance(e, ev.StepPlanned)]
     assert planned == [(e.step, e.kv_blocks_cached) for e in rec.events if isinstance(e, ev.StepPlanned)]
-    wider = whatif(rec, {"max_num_seqs": [8]}).runs[-1]
+    result = whatif(rec, {"max_num_seqs": [2, 8]})
+    admitted = [e for e in rec.events if isinstance(e, ev.RequestAdmitted)]
+    recorded, _, narrow, wider = result.runs
+    assert recorded.row()["prefix_hit"] == pytest.approx(
+        sum(e.num_cached_tokens for e in admitted) / sum(e.num_known_tokens for e in admitted))
     assert sum(n for _, n in cached_at_admission(wider.events)) > 0
+    assert 0 < narrow.row()["prefix_hit"] != recorded.row()["prefix_hit"]
+    assert "cached" in format_table(result).splitlines()[5]
 
 
 @pytest.mark.parametrize("join_at", [40, 62, 100])
