@@ -7,6 +7,7 @@ the harness, on every vLLM version here: test_vllm_harness.py."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import httpx
 import pytest
@@ -76,3 +77,58 @@ def test_on_the_vllm_server_cached_tokens_and_counters_are_vllms(server_runs, lo
         assert all(e.num_matched_tokens == SERVER_BLOCK_SIZE - 8 for e in admitted[1:])
     if load == "eviction":
         assert server_runs[load][4] > 0 and all(e.evicted_ago_s > 0 for e in admitted[4:])
+
+
+def test_a_recording_joined_on_the_vllm_server_replays_its_prefix_hits_through_the_harness(vllm_server):
+    """Two requests that share a block-long prefix run on the real vLLM when a recorder joins live (the
+    class's snapshot first); two more with that prefix come after and hit it. The recording replays
+    through vLLM's own scheduler in the harness from that snapshot: every step as recorded, each
+    admission with the cached tokens vLLM gave it (the prompts made up from the blocks' names)."""
+    import threading
+
+    from vllm_helpers import AUTH
+
+    from batchtop.engine.bench.whatif_vllm import vllm_header
+    from batchtop.engine.whatif import vllm_replay
+    from batchtop.engine.whatif.recording import recording_from
+
+    events_url = vllm_server[1]
+    rng = random.Random(next(SEEDS))
+    prefix = [rng.randrange(1000, 30_000) for _ in range(SERVER_BLOCK_SIZE)]
+
+    def prompt() -> list[int]:
+        return prefix + [rng.randrange(1000, 30_000) for _ in range(rng.randint(8, 40))]
+
+    def send(prompts, max_tokens) -> list[threading.Thread]:
+        threads = [threading.Thread(target=lambda p=p: httpx.post(
+            f"http://127.0.0.1:{PORT}/v1/completions", timeout=300,
+            json={"model": "smollm2", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                  "ignore_eos": True}).raise_for_status()) for p in prompts]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    watch = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
+    first = send([prompt(), prompt()], 48)
+    try:
+        watch.wait_for(lambda evs: sum(isinstance(e, ev.StepFinished) and e.num_running == 2
+                                       for e in evs) >= 3, timeout=120)
+        recorder = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
+        state = httpx.get(f"{events_url}/v1/knobs", headers=AUTH, timeout=30).json()
+        later = send([prompt(), prompt()], 4)
+        for thread in first + later:
+            thread.join(300)
+        events = recorder.wait_for(lambda evs: sum(isinstance(e, ev.RequestRetired) for e in evs) >= 4)
+    finally:
+        watch.close()
+    recorder.close()
+    rec = recording_from(vllm_header(state), events)
+    assert isinstance(rec.events[0], ev.EngineSnapshot) and rec.setup.enable_prefix_caching
+    assert [item.status for item in rec.in_flight] == ["running", "running"] and len(rec.requests) == 2
+    hits = [(e.request_id, e.num_cached_tokens) for e in rec.events if isinstance(e, ev.RequestAdmitted)]
+    assert [n for _, n in hits] == [SERVER_BLOCK_SIZE, SERVER_BLOCK_SIZE]
+    with vllm_replay.HarnessProcess(rec.setup.vllm["version"]) as harness:
+        identity, _ = vllm_replay.identity_through_harness(rec, harness)
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    assert [(e.request_id, e.num_cached_tokens) for e in identity.events
+            if isinstance(e, ev.RequestAdmitted)] == hits
