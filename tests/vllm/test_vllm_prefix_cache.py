@@ -109,7 +109,7 @@ def test_a_recording_joined_on_the_vllm_server_replays_its_prefix_hits_through_t
         return threads
 
     watch = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
-    first = send([prompt(), prompt()], 48)
+    first = send([prompt(), prompt()], 32)
     try:
         watch.wait_for(lambda evs: sum(isinstance(e, ev.StepFinished) and e.num_running == 2
                                        for e in evs) >= 3, timeout=120)
