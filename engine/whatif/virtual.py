@@ -71,6 +71,9 @@ class _Executed:
 class VirtualEngine:
     def __init__(self, setup: EngineSetup, knobs: dict, sink: Sink | None,
                  snapshot_interval_steps: int = 1000):
+        if knobs.get("max_num_seqs", 0) > setup.batch_capacity:
+            raise ValueError(f"max_num_seqs={knobs['max_num_seqs']} is above the recorded engine's batch "
+                             f"capacity of {setup.batch_capacity} rows")
         self.now = 0.0
         self.setup = setup
         # prompts share the blocks the recorded ones shared; outputs are each request's own

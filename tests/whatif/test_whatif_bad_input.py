@@ -121,3 +121,12 @@ def test_step_time_runs_every_point_again_on_forward_times_scaled(tmp_path, good
     assert slow.forward_s == pytest.approx(1.5 * fast.forward_s) and slow.schedule_s == fast.schedule_s
     assert main(["whatif", good, "--step-time", "1.2"]) == 0       # the table names the factor
     assert "@F: the run again with every fitted forward time at F times (1.2x)" in capsys.readouterr().out
+
+
+def test_a_max_num_seqs_above_the_batch_capacity_is_refused_in_the_library_too(rec):
+    """The command checks the value against the recording's batch capacity; a caller of the library
+    gets the same refusal in words (the persistent batch has no row for it)."""
+    from batchtop.engine.whatif.grid import whatif
+    with pytest.raises(ValueError, match=f"above the recorded engine's batch capacity of "
+                                         f"{rec.setup.batch_capacity} rows"):
+        whatif(rec, {"max_num_seqs": [rec.setup.batch_capacity + 1]})
