@@ -182,7 +182,7 @@ class Engine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        request.prompt_blocks = tuple(self.kv.prompt_blocks(request.request_id, request.prompt_token_ids))
+        request.prompt_blocks = self.kv.prompt_blocks(request.request_id, request.prompt_token_ids)
         self.scheduler.add(request)
         self._emit(ev.RequestArrived, request_id=request.request_id,
                    num_prompt_tokens=request.num_prompt_tokens, max_tokens=request.sampling.max_tokens,

@@ -157,7 +157,7 @@ class KVCacheManager:
         num_full = (len(token_ids) - 1) // self.block_size
         hashes = self._chain(request_id, token_ids, num_full)[:num_full]
         hit: list[int] = []
-        for h in hashes[:num_full]:
+        for h in hashes:
             block = self._cached.get(h)
             if block is None:
                 break
@@ -174,13 +174,13 @@ class KVCacheManager:
         matched = self._first_blocks.longest_match(token_ids)
         return replace(found, reason=BELOW_BLOCK if matched else NO_PREFIX, num_matched_tokens=matched)
 
-    def prompt_blocks(self, request_id: str, prompt_token_ids: list[int]) -> list[str]:
+    def prompt_blocks(self, request_id: str, prompt_token_ids: list[int]) -> tuple[str, ...]:
         """A new request's full prompt blocks, each by its hash's short name (its admission's lookup
         reuses the chain); none where caching is off."""
         if not self.enable_caching:
-            return []
+            return ()
         num_full = len(prompt_token_ids) // self.block_size
-        return [prefix_id(h) for h in self._chain(request_id, prompt_token_ids, num_full)]
+        return tuple(prefix_id(h) for h in self._chain(request_id, prompt_token_ids, num_full))
 
     def _chain(self, request_id: str, token_ids: list[int], num_full: int) -> list[bytes]:
         """The hashes of the first `num_full` full blocks of `token_ids`, extending the request's chain."""

@@ -39,6 +39,10 @@ class TraceRequest:
         """When the engine could first take it in: its arrival plus the server's input path."""
         return self.arrival_s + self.input_s
 
+    def full_blocks(self, block_size: int) -> tuple[str, ...]:
+        """The names of its prompt's full blocks (as many as its length holds)."""
+        return self.prompt_blocks[: self.num_prompt_tokens // block_size]
+
     @property
     def stops(self) -> bool:
         """It ended on a stop token: a replay samples one at its recorded length."""
@@ -67,10 +71,12 @@ class PromptTokens:
         """The request's own id: its prompt's tail, and its output where the caller wants one."""
         return self._id("request " + request_id)
 
+    def block(self, name: str) -> list[int]:
+        """The made-up tokens of the prompt block named `name`."""
+        return [self._id(name)] * self.block_size
+
     def prompt(self, item: TraceRequest) -> list[int]:
-        size = self.block_size
-        tokens = [token for name in item.prompt_blocks[: item.num_prompt_tokens // size]
-                  for token in [self._id(name)] * size]
+        tokens = [token for name in item.full_blocks(self.block_size) for token in self.block(name)]
         return tokens + [self.own(item.request_id)] * (item.num_prompt_tokens - len(tokens))
 
 
@@ -176,6 +182,17 @@ class Recording:
             words.append(f"its first {self.num_before_snapshot} events, before the snapshot it starts from, "
                          "are left out")
         return "; ".join(words) or None
+
+    def block_parents(self) -> dict[str, str | None]:
+        """Every prompt block its requests name (those in flight at its start too), each with the name of
+        the block before it in its prompt (None: a first block); a parent comes before its children."""
+        parents: dict[str, str | None] = {}
+        for item in [*self.requests, *(joined.request for joined in self.in_flight)]:
+            parent = None
+            for name in item.full_blocks(self.setup.block_size):
+                parents.setdefault(name, parent)
+                parent = name
+        return parents
 
     @property
     def num_in_flight(self) -> int:

@@ -107,7 +107,7 @@ class VirtualEngine:
                           SamplingParams(max_tokens=item.max_tokens), min(now, item.arrival_s),
                           priority=item.priority, arrival_seq=len(self.requests))
         self.requests[item.request_id] = request
-        request.prompt_blocks = tuple(self.kv.prompt_blocks(item.request_id, request.prompt_token_ids))
+        request.prompt_blocks = self.kv.prompt_blocks(item.request_id, request.prompt_token_ids)
         if item.stops:
             self._stops_at[item.request_id] = item.num_output_tokens
         self.scheduler.add(request)
@@ -132,13 +132,9 @@ class VirtualEngine:
         recording names gets the hash that prompt's made-up tokens give it (and its prefix's first),
         one no prompt names a hash of its own (never hit, evicted in its turn)."""
         hashes: dict[str, tuple[bytes, bytes]] = {}
-        size = self.kv.block_size
-        for item in [*rec.requests, *(joined.request for joined in rec.in_flight)]:
-            tokens, parent = self.tokens.prompt(item), ROOT
-            for index, name in enumerate(item.prompt_blocks[: item.num_prompt_tokens // size]):
-                h = block_hash(parent, tokens[index * size: (index + 1) * size])
-                hashes.setdefault(name, (h, hashes[item.prompt_blocks[0]][0] if index else h))
-                parent = h
+        for name, parent in rec.block_parents().items():
+            h = block_hash(hashes[parent][0] if parent else ROOT, self.tokens.block(name))
+            hashes[name] = (h, hashes[parent][1] if parent else h)
         queue = []
         for name in names:
             own = ("unseen " + name).encode()

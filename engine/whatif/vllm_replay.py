@@ -128,19 +128,12 @@ def harness_free_queue(rec: Recording, tokens: PromptTokens | None) -> dict:
     names = rec.start_free_blocks
     if tokens is None or names is None or not rec.joins_in_flight:
         return {}
-    size = rec.setup.block_size
-    chain: dict[str, tuple[str | None, list[int]]] = {}
-    for item in [*rec.requests, *(joined.request for joined in rec.in_flight)]:
-        prompt, parent = tokens.prompt(item), None
-        for index, name in enumerate(item.prompt_blocks[: item.num_prompt_tokens // size]):
-            chain.setdefault(name, (parent, prompt[index * size: (index + 1) * size]))
-            parent = name
+    parents = rec.block_parents()
     blocks: dict[str, list] = {}
     for name in names:
-        while name in chain and name not in blocks:
-            parent, block_tokens = chain[name]
-            blocks[name] = [parent, block_tokens]
-            name = parent
+        while name in parents and name not in blocks:
+            blocks[name] = [parents[name], tokens.block(name)]
+            name = parents[name]
     return {"free_blocks": list(names), "blocks": blocks}
 
 
@@ -166,7 +159,6 @@ def harness_joined(rec: Recording, tokens: PromptTokens | None = None) -> list[d
              "num_computed_tokens": item.num_computed_tokens, "num_blocks": item.num_blocks,
              "num_preemptions": item.num_preemptions, "num_hit_blocks": item.num_hit_blocks}
             for item in rec.in_flight]
-
 
 
 def harness_limits(rec: Recording, changed: dict | None = None) -> dict:
