@@ -87,7 +87,8 @@ def followed(raw: str) -> RemoteSource:
     server, thread, url = serve(raw=raw)
     source = RemoteSource(url, backoff_s=(5.0, 5.0)).start()
     deadline = time.monotonic() + 10
-    while source.num_connects == 0 and source.last_error in (None, "HTTP 404: HTTP 404") \
+    # the server has no /v1/knobs: its 404 is not the stream's answer, which may still be on its way
+    while source.num_connects == 0 and (source.last_error or "HTTP 404").startswith("HTTP 404") \
             and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(0.2)
