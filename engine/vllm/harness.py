@@ -409,6 +409,7 @@ class Harness:
             pool.cached_block_hash_to_block.insert(key, block)
             if observer is not None and observer.cache is not None:
                 observer.cache.restored(block, prefix_of(name) if hashes.get(name) else "")
+        self._free_names = []
 
     def _shared(self, request, item: Joined) -> tuple[object, int]:
         """The cached blocks a running request joined shares with those taken in before it (vLLM's own
