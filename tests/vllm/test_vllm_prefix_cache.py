@@ -114,6 +114,9 @@ def test_a_recording_joined_on_the_vllm_server_replays_its_prefix_hits_through_t
         watch.wait_for(lambda evs: sum(isinstance(e, ev.StepFinished) and e.num_running == 2
                                        for e in evs) >= 3, timeout=120)
         recorder = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
+        # the later requests go only once the recorder holds its snapshot: sent before, they would
+        # be in it and the recording would have no arrivals of its own
+        recorder.wait_for(lambda evs: any(isinstance(e, ev.EngineSnapshot) for e in evs), timeout=60)
         state = httpx.get(f"{events_url}/v1/knobs", headers=AUTH, timeout=30).json()
         later = send([prompt(), prompt()], 4)
         for thread in first + later:
