@@ -17,9 +17,11 @@ it follows vLLM's engine core (a batch queue of two): step N+1 is scheduled befo
 JSON in: a trace is a list of requests (`TraceRequest`'s fields: `arrival_s`, `prompt_token_ids` or
 `num_prompt_tokens`, `output_len`, `max_tokens`, `priority`, `abort_s`); limits are `Limits`'
 fields; `joined` (`Joined`'s fields) lists requests already in the scheduler when the run starts (a
-recording joined mid-run: running ones with their KV blocks, the rest queued). A step time is a
-constant, a table (`{"table_s": [...]}`: the k-th step that schedules tokens lasts `table_s[k]`,
-and starts no earlier than `starts_s[k]` where given: a recording's own timeline) or a linear law
+recording joined mid-run: running ones with their KV blocks, the rest queued; under async scheduling
+with the step then in flight, `num_in_flight_tokens` of each row). A step time is a constant, a
+table (`{"table_s": [...]}`: the k-th step that schedules tokens lasts `table_s[k]`, and starts no
+earlier than `starts_s[k]` where given, a recording's own timeline: is scheduled no earlier, or
+under async scheduling runs no earlier) or a linear law
 over the step's shape, what `batchtop whatif` fits: the forward `{"law": {feature: seconds per
 unit}, "intercept_s": a}` (features of `StepRecord`) times a constant `"scale"` or a factor drawn
 per step from a recorded `"slowdown"` (telemetry/slowdown.py's fields, with `"seed"`), plus an
@@ -139,6 +141,7 @@ class Joined:
     num_blocks: int = 0  # KV blocks it held
     num_preemptions: int = 0
     num_hit_blocks: int | None = None  # leading blocks the prefix cache gave it at its admission
+    num_in_flight_tokens: int = 0  # of its computed tokens, those of the step in flight (async)
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,9 @@ class Harness:
         )
         self.step_time = step_time
         self.between_steps = between_steps
-        self.step_starts = step_starts  # the k-th step that schedules tokens starts no earlier than [k]
+        # the k-th step that schedules tokens starts no earlier than [k]: is scheduled no earlier, or
+        # under async scheduling (planned while the step before runs) runs no earlier
+        self.step_starts = step_starts
         # batchtop's events, handed over after every step (the class's buffer is bounded: a long run
         # would drop the oldest)
         self.events_to = events_to
@@ -338,9 +343,11 @@ class Harness:
     def _join(self) -> None:
         """The joined requests, in the scheduler as the snapshot had them: a running one in vLLM's running
         list (in order) with its computed tokens, output and KV blocks; a waiting or preempted one
-        queued. vLLM's own `add_request`: the recording holds no arrival for them."""
+        queued. vLLM's own `add_request`: the recording holds no arrival for them. Under async
+        scheduling the step in flight at the snapshot is scheduled again first (`_schedule_in_flight`)."""
         s = self.scheduler
         observer = getattr(s, "batchtop_observer", None)
+        taken = []
         for item in self._joining:
             r, request_id = item.request, item.request.request_id
             request = self._request(request_id, r)
@@ -351,29 +358,74 @@ class Harness:
                 record.first_token_s, record.num_output_tokens = r.arrival_s, item.num_output_tokens
             request.num_preemptions = item.num_preemptions
             if item.status == "running":
-                s.requests[request_id] = request
-                request.status = RequestStatus.RUNNING
-                size = s.block_size
-                tokens = max(item.num_computed_tokens, (item.num_blocks - 1) * size + 1)
-                shared, num_shared = self._shared(request, item)
-                if item.num_blocks and s.kv_cache_manager.allocate_slots(
-                        request, tokens - num_shared, num_shared, shared) is None:
-                    raise ValueError(f"{request_id}: its {item.num_blocks} KV blocks at the recording's "
-                                     "start do not fit the pool")
-                request.num_computed_tokens = item.num_computed_tokens
-                s.running.append(request)
-            else:
+                self._run_joined(request, item)
+            taken.append((request, item))
+        self._schedule_in_flight([(request, item) for request, item in taken if item.num_in_flight_tokens])
+        for request, item in taken:
+            if item.status != "running":
                 Scheduler.add_request(s, request)
                 if item.status == "preempted":
                     request.status = RequestStatus.PREEMPTED
             if observer is not None:
                 slot = item.slot if item.status == "running" else -1
                 observer.joined(request, slot, item.num_output_tokens)
-        if observer is not None and self._joining:
+        if observer is not None and taken:
             observer.mirror.fill_holes()
         self._joining = []
         if self._hash_fn is not None:
             self._restore_free_queue()
+
+    def _run_joined(self, request, item: Joined) -> None:
+        """A running request joined: in vLLM's running list with its KV blocks and computed tokens (less
+        those of the step in flight, which `_schedule_in_flight` schedules)."""
+        s = self.scheduler
+        s.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        computed = item.num_computed_tokens - item.num_in_flight_tokens
+        if item.num_in_flight_tokens:
+            tokens = computed
+        else:
+            tokens = max(computed, (item.num_blocks - 1) * s.block_size + 1)
+        shared, num_shared = self._shared(request, item, computed)
+        manager = s.kv_cache_manager
+        if tokens and manager.allocate_slots(request, tokens - num_shared, num_shared, shared) is None:
+            raise ValueError(f"{request.request_id}: its {item.num_blocks} KV blocks at the recording's "
+                             "start do not fit the pool")
+        request.num_computed_tokens = computed
+        s.running.append(request)
+
+    def _schedule_in_flight(self, rows: list[tuple[object, Joined]]) -> None:
+        """Under async scheduling a snapshot falls while a step is in flight: its rows' tokens are counted
+        as computed, their tokens not yet sampled. That step is scheduled again through vLLM's own
+        `schedule()` over its rows alone, with a token budget of their tokens (its placeholders, blocks
+        and in-flight counts as vLLM keeps them) and is the first in flight: the run's first update
+        samples it, as the recording's first outcome did. Batchtop's class sees no plan of it (the
+        recording holds none), only its outcome."""
+        if not rows:
+            return
+        s = self.scheduler
+        wanted = {request.request_id: item.num_in_flight_tokens for request, item in rows}
+        running, budget, cap = s.running, s.max_num_scheduled_tokens, s.max_num_active_reqs
+        observer = getattr(s, "batchtop_observer", None)
+        s.running = [request for request in running if request.request_id in wanted]
+        s.max_num_scheduled_tokens, s.max_num_active_reqs = sum(wanted.values()), len(wanted)
+        if observer is not None:
+            observer.before_schedule(s.running)
+            s.batchtop_observer = None
+        try:
+            output = s.schedule()
+        finally:
+            s.running, s.max_num_scheduled_tokens, s.max_num_active_reqs = running, budget, cap
+            s.batchtop_observer = observer
+        if dict(output.num_scheduled_tokens) != wanted:
+            raise ValueError("the step in flight at the recording's start does not schedule again as "
+                             f"recorded: {dict(output.num_scheduled_tokens)} against {wanted}")
+        if observer is not None:
+            observer.in_flight_at_join(output, s.requests)
+        self.shape_of(output)
+        if self.step_starts:       # on a recording's timeline the step began before the recording did
+            self.clock_s = min(self.clock_s, self.step_starts[0])
+        self.in_flight.append((output, self.runner_output(output), self.clock_s))
 
     def _restore_free_queue(self) -> None:
         """The free queue's blocks, in order, cached as the snapshot had them: a name some prompt of the
@@ -411,13 +463,13 @@ class Harness:
                 observer.cache.restored(block, prefix_of(name) if hashes.get(name) else "")
         self._free_names = []
 
-    def _shared(self, request, item: Joined) -> tuple[object, int]:
+    def _shared(self, request, item: Joined, computed: int) -> tuple[object, int]:
         """The cached blocks a running request joined shares with those taken in before it (vLLM's own
         lookup), at most as many as the cache gave it at its admission (`num_hit_blocks`) and among its
-        computed tokens: (blocks, tokens)."""
+        `computed` tokens: (blocks, tokens)."""
         manager = self.scheduler.kv_cache_manager
         blocks, num_cached = manager.get_computed_blocks(request)[:2]
-        num_blocks = min(num_cached, item.num_computed_tokens) // self.scheduler.block_size
+        num_blocks = min(num_cached, computed) // self.scheduler.block_size
         if item.num_hit_blocks is not None:
             num_blocks = min(num_blocks, item.num_hit_blocks)
         if num_blocks == 0:
@@ -502,8 +554,9 @@ class Harness:
         self._join()
         idle = 0
         while (max_steps is None or len(self.steps) < max_steps) and idle < MAX_IDLE_SCHEDULES:
-            if self.step_starts is not None and self._num_scheduled < len(self.step_starts):
-                self.clock_s = max(self.clock_s, self.step_starts[self._num_scheduled])
+            starts, k = self.step_starts, self._num_scheduled
+            if not self.is_async and starts is not None and k < len(starts):
+                self.clock_s = max(self.clock_s, starts[k])
             self._arrive_and_abort()
             if not s.has_requests() and not self.in_flight:
                 next_s = self._next_event_s()
@@ -539,7 +592,12 @@ class Harness:
             return
         step_s = float(self.step_time(output))
         shape = self._shapes.pop(id(output), None) or self.shape_of(output)
-        self.clock_s = max(self.clock_s, scheduled_s) + step_s
+        start_s = max(self.clock_s, scheduled_s)
+        k = len(self.steps)
+        if self.is_async and self.step_starts is not None and k < len(self.step_starts):
+            # planned while the step before ran: its recorded start is where it began to run
+            start_s = max(start_s, self.step_starts[k])
+        self.clock_s = start_s + step_s
         finished = []
         for outputs in s.update_from_output(output, runner_output).values():
             for out in outputs.outputs:
@@ -707,7 +765,7 @@ def run_job(job: dict) -> dict:
 
     def between_steps(h: Harness) -> None:
         nonlocal snapshot_before
-        if snapshot_before is not None and len(h.steps) + 1 >= snapshot_before and not h.in_flight:
+        if snapshot_before is not None and len(h.steps) + 1 >= snapshot_before:
             scheduler.batchtop_snapshot("subscribe")
             snapshot_before = None
 

@@ -12,10 +12,13 @@ back. Under async scheduling vLLM plans step N+1 before N's output returns: N+1'
 then held back until N has finished, so the stream reads plan N, finish N, plan N+1, as
 for batchtop's engine, and step numbers never decrease.
 
-Timings: `schedule_s` is `schedule()`, `forward_s` the time from the end of `schedule()` to
-the start of `update_from_output()` (the worker's whole step: inputs, forward, sampling,
-as the scheduler sees it), `update_s` is `update_from_output()`; `prepare_s` and
-`sample_s` are 0 (inside the worker).
+Timings: `schedule_s` is `schedule()`, `update_s` is `update_from_output()`, `forward_s` the
+time the scheduler waited for the step's output: from the end of its last call before the
+update (the step's own `schedule()`; under async scheduling the next step's, planned while
+this one ran) to the start of `update_from_output()` (the worker's step: inputs, forward,
+sampling, as the scheduler sees it, less what overlapped the scheduler's own work). So the
+steps' phases add up to the engine's time, one step after the other, under either scheduling.
+`prepare_s` and `sample_s` are 0 (inside the worker).
 """
 from __future__ import annotations
 
@@ -69,6 +72,7 @@ class StepObserver:
         self._emitted_step = 0              # the last step whose plan was emitted
         self._tracks: dict[str, _Track] = {}
         self._in_flight: deque[_Step] = deque()
+        self._last_call_end = 0.0           # when the scheduler's last schedule() or update ended
         self._known_before: dict[str, int] = {}
         self._preempted: list[tuple[type, dict]] = []
         self._held: dict[str, int] = {}             # KV blocks each request held at the last look
@@ -103,6 +107,14 @@ class StepObserver:
             self._held[request.request_id] = self._blocks_of(request.request_id)
         else:
             self._wait_marks[request.request_id] = self.wait_clock.mark(time.monotonic())
+
+    def in_flight_at_join(self, output, requests: dict) -> None:
+        """The step in flight when a run begins from a snapshot taken under async scheduling (scheduled
+        again by the harness; `before_schedule` saw its rows first): it has no plan here, as the
+        recording has none after its snapshot; its outcome comes when its output does."""
+        self.step += 1
+        prefill_rows, _ = self._rows(output.num_scheduled_tokens, requests)
+        self._in_flight.append(_Step(output, self.step, [], prefill_rows, time.perf_counter(), 0.0))
 
     def finished_outside(self, requests) -> None:
         """Requests that `finish_requests()` ended (aborts from the API server)."""
@@ -211,6 +223,7 @@ class StepObserver:
             if blocked is not None:
                 plan.append((ev.AdmissionBlocked, blocked))
         record = _Step(output, step, plan, prefill_rows, time.perf_counter(), schedule_s)
+        self._last_call_end = record.scheduled_at
         self._in_flight.append(record)
         if len(self._in_flight) == 1:
             self._emit_plan(record)
@@ -275,7 +288,9 @@ class StepObserver:
         record = self._take(output)
         if record is None:
             return
-        forward_s = max(0.0, time.perf_counter() - update_s - record.scheduled_at)
+        update_started = time.perf_counter() - update_s
+        forward_s = max(0.0, update_started - max(record.scheduled_at, self._last_call_end))
+        self._last_call_end = update_started + update_s
         step = record.step or self._emitted_step
         for request_id, num_tokens, computed, known, recompute in record.prefill_rows:
             if request_id not in self._tracks:

@@ -94,6 +94,7 @@ class InFlight:
     num_blocks: int                    # KV blocks it held
     num_preemptions: int               # before the recording began (a preempted one computes again)
     num_hit_blocks: int | None = None  # leading blocks the prefix cache gave it at its last admission
+    num_in_flight_tokens: int = 0      # of its computed tokens, those of a step in flight (vLLM async)
 
 
 @dataclass(frozen=True)
@@ -156,24 +157,18 @@ class Recording:
                 "name no prompt blocks (recorded before schema 7): every run computes those tokens again, "
                 "a heavier load than the recorded one")
 
-    @property
-    def joins_in_flight(self) -> bool:
-        """Whether a what-if starts from the requests in flight at its start as its first snapshot had
-        them: on batchtop's engine, and on vLLM's synchronous scheduler (under async scheduling a
-        snapshot can fall while a step is in flight, its tokens counted and not yet sampled)."""
-        return self.setup.vllm is None or not self.setup.vllm.get("async_scheduling", False)
-
     def _in_flight_words(self) -> str | None:
-        if self.joins_in_flight:
-            joined, left_out = self.in_flight, self.unseen
-        else:
-            joined, left_out = (), self.in_flight + self.unseen
+        joined, left_out = self.in_flight, self.unseen
         words = []
         if joined:
             words.append(f"{len(joined)} requests were in flight when the recording began (it holds no "
                          "arrival for them): every run starts from them as the recording's first snapshot "
                          "had them (a running one in its row of the batch with its KV blocks, the others "
                          "queued in its order); they have no end-to-end time")
+            num_rows = sum(item.num_in_flight_tokens > 0 for item in joined)
+            if num_rows:
+                words.append(f"a step of {num_rows} rows was in flight at its start (vLLM's async "
+                             "scheduling): every run schedules it again first and samples it")
         if left_out:
             words.append(f"{len(left_out)} requests were in flight when the recording began and are left out "
                          "(it holds no arrival for them), so every run starts with less load than the "
@@ -325,6 +320,7 @@ def _in_flight(events: list[ev.Event], requests: list[TraceRequest],
         if (request_id := getattr(e, "request_id", None)) is not None and request_id not in arrived:
             named[request_id] = None
     in_flight = []
+    step_rows = _step_in_flight(events)
     for request_id, (status, slot, prompt, output, computed, blocks, max_tokens, priority,
                      preemptions, prompt_blocks, hit_blocks) in listed.items():
         arrival_s = min(first_token.get(request_id, 0.0), 0.0)
@@ -334,8 +330,30 @@ def _in_flight(events: list[ev.Event], requests: list[TraceRequest],
         ended_with = max_tokens if r is None or aborted else max(1, r.num_output_tokens)
         trace = TraceRequest(request_id, arrival_s, prompt, max_tokens, priority, ended_with, reason,
                              r.t - t0 - arrival_s if aborted else None, prompt_blocks=prompt_blocks)
-        in_flight.append(InFlight(trace, status, slot, output, computed, blocks, preemptions, hit_blocks))
+        in_flight.append(InFlight(trace, status, slot, output, computed, blocks, preemptions, hit_blocks,
+                                  step_rows.get(request_id, 0) if status == "running" else 0))
     return tuple(in_flight), tuple(r for r in named if r not in listed)
+
+
+def _step_in_flight(events: list[ev.Event]) -> dict[str, int]:
+    """Under vLLM's async scheduling a recorder can join while a step is in flight: its plan came before
+    the joining snapshot, its outcome after (the first StepFinished, with no StepPlanned of its
+    step). Its rows the outcome names, request id -> tokens: a prefill chunk's tokens, 1 for a row
+    that only sampled; {} where no step was in flight. (Rows of requests that finished in the step
+    before it are named nowhere: they ran to no purpose and left no state.)"""
+    planned: set[int] = set()
+    chunks: dict[int, dict[str, int]] = {}
+    for e in events:
+        kind = type(e)
+        if kind is ev.StepPlanned:
+            planned.add(e.step)
+        elif kind is ev.PrefillChunk:
+            chunks.setdefault(e.step, {})[e.request_id] = e.num_tokens
+        elif kind is ev.StepFinished:
+            if e.step in planned:
+                return {}
+            return dict.fromkeys(e.sampled_request_ids, 1) | chunks.get(e.step, {})
+    return {}
 
 
 def _trace(path: str, events: list[ev.Event], t0: float) -> list[TraceRequest]:

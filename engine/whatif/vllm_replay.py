@@ -126,7 +126,7 @@ def harness_free_queue(rec: Recording, tokens: PromptTokens | None) -> dict:
     name ("" an empty one), and `blocks`, each of those names a made-up prompt gives (with its
     ancestors) as its parent's name and its tokens, so the harness hashes them as vLLM does."""
     names = rec.start_free_blocks
-    if tokens is None or names is None or not rec.joins_in_flight:
+    if tokens is None or names is None:
         return {}
     parents = rec.block_parents()
     blocks: dict[str, list] = {}
@@ -150,14 +150,13 @@ def _harness_request(r: TraceRequest, arrival_s: float, tokens: PromptTokens | N
 
 def harness_joined(rec: Recording, tokens: PromptTokens | None = None) -> list[dict]:
     """The requests in flight when the recording began, as its first snapshot had them (the harness's
-    Joined): every run starts with them in vLLM's scheduler (none where it cannot:
-    Recording.joins_in_flight)."""
-    if not rec.joins_in_flight:
-        return []
+    Joined): every run starts with them in vLLM's scheduler, and under async scheduling with the step
+    then in flight."""
     return [{"request": _harness_request(item.request, item.request.arrival_s, tokens),
              "status": item.status, "slot": item.slot, "num_output_tokens": item.num_output_tokens,
              "num_computed_tokens": item.num_computed_tokens, "num_blocks": item.num_blocks,
-             "num_preemptions": item.num_preemptions, "num_hit_blocks": item.num_hit_blocks}
+             "num_preemptions": item.num_preemptions, "num_hit_blocks": item.num_hit_blocks,
+             "num_in_flight_tokens": item.num_in_flight_tokens}
             for item in rec.in_flight]
 
 
