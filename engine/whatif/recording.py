@@ -337,10 +337,12 @@ def _in_flight(events: list[ev.Event], requests: list[TraceRequest],
 
 def _step_in_flight(events: list[ev.Event]) -> dict[str, int]:
     """Under vLLM's async scheduling a recorder can join while a step is in flight: its plan came before
-    the joining snapshot, its outcome after (the first StepFinished, with no StepPlanned of its
-    step). Its rows the outcome names, request id -> tokens: a prefill chunk's tokens, 1 for a row
-    that only sampled; {} where no step was in flight. (Rows of requests that finished in the step
-    before it are named nowhere: they ran to no purpose and left no state.)"""
+    the joining snapshot (the recording's first event), its outcome after (the first StepFinished,
+    with no StepPlanned of its step). Its rows the outcome names, request id -> tokens: a prefill
+    chunk's tokens, 1 for a row that only sampled; {} where no step was in flight. (Rows of requests
+    that finished in the step before it are named nowhere: they ran to no purpose, left no state.)"""
+    if not events or not isinstance(events[0], ev.EngineSnapshot):
+        return {}
     planned: set[int] = set()
     chunks: dict[int, dict[str, int]] = {}
     for e in events:
