@@ -145,7 +145,42 @@ class Recording:
     def replay_words(self) -> list[str]:
         """Where a what-if's runs start or run from less than the recording holds, a sentence each: a
         recording joined mid-run, prefix-cache hits it cannot replay."""
-        return [words for words in (self._in_flight_words(), self._prefix_words()) if words]
+        return [words for words in (self._in_flight_words(), self._prefix_words(), self._output_hit_words())
+                if words]
+
+    def _output_hit_words(self) -> str | None:
+        """Hits a replay cannot give: blocks an admission took from the cache that no prompt before it
+        names (an earlier request's output, as a chat's next turn takes the last answer). The replay
+        makes up outputs that no prompt shares."""
+        if not self.setup.enable_prefix_caching:
+            return None
+        size = self.setup.block_size
+        prompts = {r.request_id: r for r in self.requests}
+        # each block's name -> the arrival that named it first (-1: named at the recording's start)
+        first_named = dict.fromkeys(self.start_free_blocks or (), -1)
+        for item in self.in_flight:
+            first_named.update(dict.fromkeys(item.request.full_blocks(size), -1))
+        order: dict[str, int] = {}
+        num_admissions = num_tokens = 0
+        for e in self.events:
+            kind = type(e)
+            if kind is ev.RequestArrived and e.request_id in prompts:
+                k = order[e.request_id] = len(order)
+                for name in prompts[e.request_id].full_blocks(size):
+                    first_named.setdefault(name, k)
+            elif kind is ev.RequestAdmitted and e.num_cached_tokens and e.request_id in order:
+                if e.resumed:
+                    continue
+                k = order[e.request_id]
+                hit = prompts[e.request_id].full_blocks(size)[: e.num_cached_tokens // size]
+                unnamed = sum(first_named[name] == k for name in hit)
+                num_admissions += unnamed > 0
+                num_tokens += unnamed * size
+        if not num_tokens:
+            return None
+        return (f"{num_admissions} admissions took {num_tokens} tokens from cached blocks no earlier prompt "
+                "names (an earlier request's output, as a chat's next turn takes the last answer): a replay "
+                "makes up outputs no prompt shares, so every run computes those tokens again")
 
     def _prefix_words(self) -> str | None:
         if self.setup.enable_prefix_caching:

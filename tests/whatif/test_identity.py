@@ -112,6 +112,7 @@ def test_prompts_that_shared_prefixes_share_them_in_the_replay(shared_prefixes):
     assert rec.setup.enable_prefix_caching and sum(n for _, n in cached) > 500
     assert any(isinstance(e, ev.BlocksEvicted) for e in rec.events)
     assert any(isinstance(e, ev.RequestPreempted) for e in rec.events)
+    assert rec.replay_words() == []         # every hit is on a block some earlier prompt names
     identity = replay_identity(rec)
     assert identity.first_mismatch is None and identity.match_share == 1.0
     assert cached_at_admission(identity.events) == cached
@@ -127,6 +128,43 @@ def test_prompts_that_shared_prefixes_share_them_in_the_replay(shared_prefixes):
     assert "cached" in format_table(result).splitlines()[5]
 
 
+def test_a_chats_next_turn_that_hits_the_last_answer_is_said_to_be_computed_again(tiny):
+    """A chat's next turn sends the conversation back with a new message: the cache gives it the last
+    answer's blocks too, which no earlier prompt names. A replay cannot make those up (its outputs
+    share nothing), so the output says how many tokens every run computes again: exactly what the
+    identity replay's admissions take from the cache less than the recorded ones did."""
+    import random
+
+    from batchtop.engine.core.config import EngineConfig
+    from batchtop.engine.core.engine import Engine
+    from batchtop.engine.core.sampling import SamplingParams
+    from batchtop.engine.whatif.recording import engine_header
+    from batchtop.telemetry.recorder import make_header
+
+    events: list = []
+    engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, block_size=4, max_num_seqs=4,
+                                 max_num_batched_tokens=64, batch_capacity=8, max_model_len=128,
+                                 enable_prefix_caching=True, flight_recorder_steps=0),
+                    sink=events.append, loaded=tiny)
+    header = make_header("tiny", engine.knobs(), engine=engine_header(engine))
+    rng = random.Random(3)
+    conversation = [rng.randrange(100, 5000) for _ in range(10)]
+    for _ in range(3):
+        engine.add_request(list(conversation), SamplingParams(max_tokens=12, ignore_eos=True))
+        answer = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                answer += out.new_token_ids
+        conversation += answer + [rng.randrange(100, 5000) for _ in range(5)]
+    rec = recording_from(header, events)
+    (words,) = rec.replay_words()
+    assert words.startswith("2 admissions took ")
+    recomputed = int(words.split()[3])
+    recorded = sum(n for _, n in cached_at_admission(rec.events))
+    identity = replay_identity(rec)
+    assert recomputed > 0 and sum(n for _, n in cached_at_admission(identity.events)) == recorded - recomputed
+
+
 @pytest.mark.parametrize("join_at", [40, 62, 100])
 def test_a_recording_joined_mid_run_shares_prefixes_as_the_engine_did(tiny, join_at):
     """Joined while requests share prefixes: the snapshot names each request's prompt blocks, how many
@@ -139,6 +177,7 @@ def test_a_recording_joined_mid_run_shares_prefixes_as_the_engine_did(tiny, join
     assert sum(snapshot.num_blocks) >= snapshot.kv_blocks_used        # blocks shared, or copies held
     assert rec.start_free_blocks == snapshot.free_blocks and len(snapshot.free_blocks) == \
         snapshot.kv_blocks_total - snapshot.kv_blocks_used
+    assert not any("admissions took" in words for words in rec.replay_words())
     identity = replay_identity(rec)
     assert identity.first_mismatch is None and identity.match_share == 1.0
     assert cached_at_admission(identity.events) == cached_at_admission(rec.events)

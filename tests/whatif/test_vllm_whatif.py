@@ -222,6 +222,7 @@ def test_a_vllm_recording_joined_mid_run_shares_prefixes_as_vllm_did(harness, tm
     rec = read_recording(write(tmp_path / "joined.jsonl", result["header"], events[joined_at:]))
     chunked = [item for item in rec.in_flight if item.num_in_flight_tokens > 1]
     assert bool(chunked) == (scheduling == "async")
+    assert not any("admissions took" in words for words in rec.replay_words())
     identity, _ = vllm_replay.identity_through_harness(rec, harness)
     assert identity.first_mismatch is None and identity.match_share == 1.0
     assert cached(identity.events) == cached(rec.events) and sum(n for _, n in cached(rec.events)) > 0
