@@ -15,7 +15,8 @@ token; the token is a stop token at the request's output length, else `max_token
 it follows vLLM's engine core (a batch queue of two): step N+1 is scheduled before N's output.
 
 JSON in: a trace is a list of requests (`TraceRequest`'s fields: `arrival_s`, `prompt_token_ids` or
-`num_prompt_tokens`, `output_len`, `max_tokens`, `priority`, `abort_s`); limits are `Limits`'
+`num_prompt_tokens`, `output_len`, `max_tokens`, `priority`, `abort_s`, `output_token_ids`: its
+first sampled tokens, where a later prompt sends them back); limits are `Limits`'
 fields; `joined` (`Joined`'s fields) lists requests already in the scheduler when the run starts (a
 recording joined mid-run: running ones with their KV blocks, the rest queued; under async scheduling
 with the step then in flight, `num_in_flight_tokens` of each row). A step time is a constant, a
@@ -125,6 +126,7 @@ class TraceRequest:
     priority: int = 0
     abort_s: float | None = None  # aborted from outside (finish_requests) at this time
     request_id: str | None = None  # None: its index in the trace
+    output_token_ids: tuple[int, ...] = ()  # its first sampled tokens (a later prompt sends them back)
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,7 @@ class Harness:
             if r.abort_s is not None
         )
         self._output_len: dict[str, int] = {}
+        self._outputs: dict[str, tuple[int, ...]] = {}  # the trace's given output tokens
         self._shapes: dict[int, dict] = {}  # id(scheduler output): its shape, until its update
         cache = scheduler.cache_config
         self._block_hasher = self._hash_fn = None
@@ -325,6 +328,8 @@ class Harness:
         )
         max_tokens = r.max_tokens or r.output_len
         self._output_len[request_id] = r.output_len
+        if r.output_token_ids:
+            self._outputs[request_id] = r.output_token_ids
         params = SamplingParams(
             max_tokens=max_tokens,
             ignore_eos=True,
@@ -354,7 +359,8 @@ class Harness:
             record = RequestRecord(request_id, r.arrival_s, request.num_prompt_tokens)
             self.requests[request_id] = record
             if item.num_output_tokens:
-                request.append_output_token_ids([SAMPLED_TOKEN] * item.num_output_tokens)
+                request.append_output_token_ids([self._sampled(request_id, index)
+                                                 for index in range(1, item.num_output_tokens + 1)])
                 record.first_token_s, record.num_output_tokens = r.arrival_s, item.num_output_tokens
             request.num_preemptions = item.num_preemptions
             if item.status == "running":
@@ -520,10 +526,16 @@ class Harness:
             index = (
                 len(request.output_token_ids) + request.num_output_placeholders + (0 if self.is_async else 1)
             )
-            sampled.append([STOP_TOKEN if index >= self._output_len[request_id] else SAMPLED_TOKEN])
+            sampled.append([STOP_TOKEN if index >= self._output_len[request_id]
+                            else self._sampled(request_id, index)])
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
         )
+
+    def _sampled(self, request_id: str, index: int) -> int:
+        """Its `index`-th output token (from 1) short of its stop: the trace's, else SAMPLED_TOKEN."""
+        given = self._outputs.get(request_id, ())
+        return given[index - 1] if index <= len(given) else SAMPLED_TOKEN
 
     def shape_of(self, output) -> dict:
         """What a scheduled step computes (SHAPE_FEATURES), as `schedule()` left the requests."""
@@ -834,6 +846,8 @@ def trace_of(raw) -> list[TraceRequest]:
             )
         if row.get("prompt_token_ids") is not None:
             row = {**row, "prompt_token_ids": tuple(row["prompt_token_ids"])}
+        if row.get("output_token_ids"):
+            row = {**row, "output_token_ids": tuple(row["output_token_ids"])}
         trace.append(TraceRequest(**row))
     return trace
 

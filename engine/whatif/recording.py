@@ -10,6 +10,7 @@ Times are seconds since the recording's first event. Anything unusable is a Valu
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from batchtop.engine.core.config import EngineConfig
@@ -52,13 +53,17 @@ class TraceRequest:
 class PromptTokens:
     """Made-up token ids that share what the recorded prompts shared: each recorded full prompt block is
     one id repeated over the block (equal hashes, equal ids: a replay's prefix cache hits where the
-    recorded one could), the rest of a prompt an id of its request's own (shared with nothing). Ids
-    count from `first`, wrapping below `end` where given."""
+    recorded one could), the rest of a prompt and its output an id of its request's own (shared with
+    nothing), except the blocks after a prompt that later prompts name (`continued`, request id ->
+    those names: Recording.continued_blocks), whose prompt tail and output tokens are those names' ids.
+    Ids count from `first`, wrapping below `end` where given."""
 
-    def __init__(self, block_size: int, first: int, end: int | None = None):
+    def __init__(self, block_size: int, first: int, end: int | None = None,
+                 continued: dict[str, tuple[str, ...]] | None = None):
         self.block_size = block_size
         self._first, self._end = first, end
         self._ids: dict[str, int] = {}           # block name or request id -> its token id
+        self.continued = continued or {}
 
     def _id(self, name: str) -> int:
         token = self._ids.get(name)
@@ -77,7 +82,23 @@ class PromptTokens:
 
     def prompt(self, item: TraceRequest) -> list[int]:
         tokens = [token for name in item.full_blocks(self.block_size) for token in self.block(name)]
-        return tokens + [self.own(item.request_id)] * (item.num_prompt_tokens - len(tokens))
+        tail = self.output(item.request_id, item.num_prompt_tokens, 0)
+        return tokens + [tail] * (item.num_prompt_tokens - len(tokens))
+
+    def output(self, request_id: str, num_prompt_tokens: int, index: int) -> int:
+        """The request's output token `index` (from 0): in a block a later prompt names, that name's id."""
+        names = self.continued.get(request_id)
+        if names:
+            block = (num_prompt_tokens + index) // self.block_size - num_prompt_tokens // self.block_size
+            if block < len(names):
+                return self._id(names[block])
+        return self.own(request_id)
+
+    def outputs_named(self, request_id: str, num_prompt_tokens: int) -> list[int]:
+        """Its output tokens up to the end of the last block a later prompt names (none: [])."""
+        names = self.continued.get(request_id, ())
+        end = (num_prompt_tokens // self.block_size + len(names)) * self.block_size - num_prompt_tokens
+        return [self.output(request_id, num_prompt_tokens, index) for index in range(max(end, 0))]
 
 
 @dataclass(frozen=True)
@@ -149,38 +170,64 @@ class Recording:
                 if words]
 
     def _output_hit_words(self) -> str | None:
-        """Hits a replay cannot give: blocks an admission took from the cache that no prompt before it
-        names (an earlier request's output, as a chat's next turn takes the last answer). The replay
-        makes up outputs that no prompt shares."""
-        if not self.setup.enable_prefix_caching:
+        _, num_admissions, num_tokens = self._continuations
+        if not num_tokens:
             return None
+        return (f"{num_admissions} admissions took {num_tokens} tokens from cached blocks that no earlier "
+                "prompt names nor continues (an output of a request the recording does not hold): a "
+                "replay makes those up for no one, so every run computes them again")
+
+    @property
+    def continued_blocks(self) -> dict[str, tuple[str, ...]]:
+        """Request id -> the names of the blocks after its prompt's full blocks that later prompts name
+        and took from the cache at admission: its prompt's tail and its output, sent back (a chat's
+        next turn takes the last answer). A replay gives those tokens the names' ids (PromptTokens)."""
+        return self._continuations[0]
+
+    @functools.cached_property
+    def _continuations(self) -> tuple[dict[str, tuple[str, ...]], int, int]:
+        """`continued_blocks`, and the admissions and tokens of hits on blocks that no earlier prompt
+        names nor continues. An admission's hit blocks that no earlier arrival named continue the
+        prompt of the latest earlier request whose full prompt blocks are exactly the blocks before
+        them (a request in flight at the start too)."""
+        continued: dict[str, tuple[str, ...]] = {}
+        if not self.setup.enable_prefix_caching:
+            return continued, 0, 0
         size = self.setup.block_size
         prompts = {r.request_id: r for r in self.requests}
         # each block's name -> the arrival that named it first (-1: named at the recording's start)
         first_named = dict.fromkeys(self.start_free_blocks or (), -1)
+        by_prompt: dict[tuple[str, ...], str] = {}   # full prompt blocks -> the latest request with them
         for item in self.in_flight:
-            first_named.update(dict.fromkeys(item.request.full_blocks(size), -1))
+            names = item.request.full_blocks(size)
+            first_named.update(dict.fromkeys(names, -1))
+            by_prompt[names] = item.request.request_id
         order: dict[str, int] = {}
         num_admissions = num_tokens = 0
         for e in self.events:
             kind = type(e)
             if kind is ev.RequestArrived and e.request_id in prompts:
                 k = order[e.request_id] = len(order)
-                for name in prompts[e.request_id].full_blocks(size):
+                names = prompts[e.request_id].full_blocks(size)
+                for name in names:
                     first_named.setdefault(name, k)
+                by_prompt[names] = e.request_id
             elif kind is ev.RequestAdmitted and e.num_cached_tokens and e.request_id in order:
                 if e.resumed:
                     continue
                 k = order[e.request_id]
                 hit = prompts[e.request_id].full_blocks(size)[: e.num_cached_tokens // size]
-                unnamed = sum(first_named[name] == k for name in hit)
-                num_admissions += unnamed > 0
-                num_tokens += unnamed * size
-        if not num_tokens:
-            return None
-        return (f"{num_admissions} admissions took {num_tokens} tokens from cached blocks no earlier prompt "
-                "names (an earlier request's output, as a chat's next turn takes the last answer): a replay "
-                "makes up outputs no prompt shares, so every run computes those tokens again")
+                first = next((i for i, name in enumerate(hit) if first_named[name] == k), None)
+                if first is None:
+                    continue
+                source, tail = by_prompt.get(hit[:first]), hit[first:]
+                known = continued.get(source, ())
+                if source is None or known[:len(tail)] != tail[:len(known)]:
+                    num_admissions += 1
+                    num_tokens += len(tail) * size
+                    continue
+                continued[source] = max(known, tail, key=len)
+        return continued, num_admissions, num_tokens
 
     def _prefix_words(self) -> str | None:
         if self.setup.enable_prefix_caching:

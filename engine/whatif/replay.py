@@ -76,7 +76,7 @@ def replay_identity(rec: Recording, snapshot_interval_steps: int = 1000) -> Iden
     finished = {e.step: e for e in rec.events if isinstance(e, ev.StepFinished)}
     items = {r.request_id: r for r in rec.requests}
     t0 = rec.t0
-    engine.take_in_flight(rec, 0.0)
+    engine.start_from(rec, 0.0)
     for e in rec.events:
         kind = type(e)
         if kind is ev.StepPlanned:
@@ -194,7 +194,7 @@ def run_whatif(rec: Recording, knobs: dict, model, held: frozenset[str] = frozen
     a = c = idle_polls = 0
     num_arrived = num_retired = 0          # since the last step
     now = 0.0
-    engine.take_in_flight(rec, now)
+    engine.start_from(rec, now)
     for r in (item.request for item in rec.in_flight if item.request.abort_after_s is not None):
         heapq.heappush(aborts, (r.arrival_s + r.abort_after_s, r.request_id, r.reason))
     while True:

@@ -76,7 +76,8 @@ class VirtualEngine:
                              f"capacity of {setup.batch_capacity} rows")
         self.now = 0.0
         self.setup = setup
-        # prompts share the blocks the recorded ones shared; outputs are each request's own
+        # prompts share the blocks the recorded ones shared; outputs are each request's own, but where
+        # later prompts send them back
         self.kv = KVCacheManager(setup.num_kv_blocks, setup.block_size,
                                  enable_caching=setup.enable_prefix_caching)
         self.tokens = PromptTokens(setup.block_size, first=STOP_TOKEN + 1)
@@ -117,9 +118,11 @@ class VirtualEngine:
                        priority=item.priority, since_arrival_s=now - request.arrival_time,
                        input_s=item.input_s, prompt_blocks=request.prompt_blocks)
 
-    def take_in_flight(self, rec: Recording, now: float) -> None:
+    def start_from(self, rec: Recording, now: float) -> None:
         """Start from the requests a recording joined, as its first snapshot had them (`InFlight`), and
-        from retraction's estimate then, where it says."""
+        from retraction's estimate then, where it says; outputs that later prompts send back are made up
+        as those prompts name them (Recording.continued_blocks)."""
+        self.tokens.continued = rec.continued_blocks
         for item in rec.in_flight:
             self._take_in_flight(item, now)
         if rec.start_new_token_ratio is not None:
@@ -147,7 +150,8 @@ class VirtualEngine:
         recording holds none)."""
         self.add(item.request, now, announce=False)
         request = self.requests[item.request.request_id]
-        request.output_token_ids = [self.tokens.own(request.request_id)] * item.num_output_tokens
+        request.output_token_ids = [self.tokens.output(request.request_id, request.num_prompt_tokens, index)
+                                    for index in range(item.num_output_tokens)]
         if item.num_output_tokens:
             request.first_token_time = request.arrival_time      # its first token came before: none again
         request.num_preemptions = item.num_preemptions
@@ -258,7 +262,9 @@ class VirtualEngine:
     def _token(self, request: Request) -> int:
         stops_at = self._stops_at.get(request.request_id)
         last = stops_at is not None and request.num_output_tokens + 1 >= stops_at
-        return STOP_TOKEN if last else self.tokens.own(request.request_id)
+        if last:
+            return STOP_TOKEN
+        return self.tokens.output(request.request_id, request.num_prompt_tokens, request.num_output_tokens)
 
 
 def _shape(batch_step: BatchStep, start_s: float) -> StepShape:

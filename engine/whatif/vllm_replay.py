@@ -97,7 +97,7 @@ def prompt_tokens(rec: Recording) -> PromptTokens | None:
     from one instance): they share the blocks the recorded prompts shared."""
     if not rec.setup.enable_prefix_caching:
         return None
-    return PromptTokens(rec.setup.block_size, *HARNESS_TOKEN_IDS)
+    return PromptTokens(rec.setup.block_size, *HARNESS_TOKEN_IDS, continued=rec.continued_blocks)
 
 
 def harness_trace(rec: Recording, as_scheduled: bool = False,
@@ -145,6 +145,8 @@ def _harness_request(r: TraceRequest, arrival_s: float, tokens: PromptTokens | N
         row["abort_s"] = r.arrival_s + r.abort_after_s - EARLY_S
     if tokens is not None and r.prompt_blocks:
         row["prompt_token_ids"] = tokens.prompt(r)
+    if tokens is not None and r.request_id in tokens.continued:
+        row["output_token_ids"] = tokens.outputs_named(r.request_id, r.num_prompt_tokens)
     return row
 
 

@@ -128,11 +128,9 @@ def test_prompts_that_shared_prefixes_share_them_in_the_replay(shared_prefixes):
     assert "cached" in format_table(result).splitlines()[5]
 
 
-def test_a_chats_next_turn_that_hits_the_last_answer_is_said_to_be_computed_again(tiny):
-    """A chat's next turn sends the conversation back with a new message: the cache gives it the last
-    answer's blocks too, which no earlier prompt names. A replay cannot make those up (its outputs
-    share nothing), so the output says how many tokens every run computes again: exactly what the
-    identity replay's admissions take from the cache less than the recorded ones did."""
+def chat(tiny, num_turns: int = 3, seed: int = 3) -> tuple[dict, list]:
+    """A chat on the tiny model: each turn sends the conversation so far (the last answer with it) and
+    a new message, one turn after the other; (header, events)."""
     import random
 
     from batchtop.engine.core.config import EngineConfig
@@ -147,22 +145,39 @@ def test_a_chats_next_turn_that_hits_the_last_answer_is_said_to_be_computed_agai
                                  enable_prefix_caching=True, flight_recorder_steps=0),
                     sink=events.append, loaded=tiny)
     header = make_header("tiny", engine.knobs(), engine=engine_header(engine))
-    rng = random.Random(3)
+    rng = random.Random(seed)
     conversation = [rng.randrange(100, 5000) for _ in range(10)]
-    for _ in range(3):
+    for _ in range(num_turns):
         engine.add_request(list(conversation), SamplingParams(max_tokens=12, ignore_eos=True))
         answer = []
         while engine.has_unfinished():
             for out in engine.step():
                 answer += out.new_token_ids
         conversation += answer + [rng.randrange(100, 5000) for _ in range(5)]
+    return header, events
+
+
+def test_a_chats_next_turn_takes_the_last_answer_from_the_cache_in_the_replay_too(tiny):
+    """A chat's next turn sends the conversation back with a new message: the cache gives it the last
+    answer's blocks too, which no earlier prompt names. Its prompt names them, and the blocks before
+    them are the last turn's whole prompt: the replay makes up that turn's prompt tail and answer as
+    those names (Recording.continued_blocks), so each turn takes the recorded tokens from the cache.
+    Made up as outputs no prompt shares, each turn after the first took 12 tokens fewer."""
+    header, events = chat(tiny)
     rec = recording_from(header, events)
-    (words,) = rec.replay_words()
-    assert words.startswith("2 admissions took ")
-    recomputed = int(words.split()[3])
-    recorded = sum(n for _, n in cached_at_admission(rec.events))
+    cached = cached_at_admission(rec.events)
+    assert [n for _, n in cached] == [0, 20, 36] and rec.replay_words() == []
+    assert [len(names) for names in rec.continued_blocks.values()] == [3, 3]
     identity = replay_identity(rec)
-    assert recomputed > 0 and sum(n for _, n in cached_at_admission(identity.events)) == recorded - recomputed
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    assert cached_at_admission(identity.events) == cached
+    # a recording that begins after the first turn, with no snapshot: the second turn's hit on the first
+    # answer continues no prompt it holds, and the output says how many tokens every run computes again
+    second = next(k for k, e in enumerate(events) if isinstance(e, ev.RequestArrived) and k > 0)
+    later = recording_from(header, events[second:])
+    (words,) = later.replay_words()
+    assert words.startswith("1 admissions took 20 tokens from cached blocks that no earlier prompt names")
+    assert [n for _, n in cached_at_admission(replay_identity(later).events)] == [0, 36]
 
 
 @pytest.mark.parametrize("join_at", [40, 62, 100])

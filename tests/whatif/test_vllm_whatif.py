@@ -228,6 +228,31 @@ def test_a_vllm_recording_joined_mid_run_shares_prefixes_as_vllm_did(harness, tm
     assert cached(identity.events) == cached(rec.events) and sum(n for _, n in cached(rec.events)) > 0
 
 
+def test_a_chats_next_turn_takes_the_last_answer_from_vllms_cache_in_the_replay_too(harness, tmp_path):
+    """Three turns of a chat through vLLM's scheduler in the harness, each sending the conversation so far
+    (the harness's made-up answer with it) and a new message: vLLM's cache gives each later turn the
+    last answer's blocks. The replay makes up the earlier turns' prompt tails and answers as the later
+    prompts name those blocks: each turn takes the recorded tokens from the cache, every step as
+    recorded."""
+    sampled_token = 7       # the harness's made-up answer token (engine/vllm/harness.py's SAMPLED_TOKEN)
+    rng = random.Random(4)
+    conversation, turns = [rng.randrange(10, 30_000) for _ in range(40)], []
+    for turn in range(3):
+        turns.append({"request_id": f"turn{turn}", "arrival_s": float(turn),
+                      "prompt_token_ids": list(conversation), "max_tokens": 24, "output_len": 24})
+        conversation += [sampled_token] * 24 + [rng.randrange(10, 30_000) for _ in range(9)]
+    result = harness.run({"trace": turns, "limits": {**LIMITS, "enable_prefix_caching": True},
+                          "scheduler": "batchtop", "events": True, "step_time": LAW})
+    rec = read_recording(write(tmp_path / "chat.jsonl", result["header"],
+                               [ev.event_from_dict(e) for e in result["events"]]))
+    recorded = cached(rec.events)
+    assert [n for _, n in recorded] == [0, 48, 96] and rec.replay_words() == []
+    assert set(rec.continued_blocks) == {"turn0", "turn1"}
+    identity, _ = vllm_replay.identity_through_harness(rec, harness)
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    assert cached(identity.events) == recorded
+
+
 def test_on_vllm_033_async_recordings_replay_whole_and_joined_with_the_step_in_flight(tmp_path):
     """The release production runs (0.33, async scheduling by default on GPUs), in its own interpreter:
     a whole async recording replays step for step and its fit recovers the harness's law; recordings
