@@ -143,7 +143,7 @@ def _harness_request(r: TraceRequest, arrival_s: float, tokens: PromptTokens | N
            "priority": r.priority}
     if r.abort_after_s is not None:
         row["abort_s"] = r.arrival_s + r.abort_after_s - EARLY_S
-    if tokens is not None and r.prompt_blocks:
+    if tokens is not None and (r.prompt_blocks or r.request_id in tokens.continued):
         row["prompt_token_ids"] = tokens.prompt(r)
     if tokens is not None and r.request_id in tokens.continued:
         row["output_token_ids"] = tokens.outputs_named(r.request_id, r.num_prompt_tokens)

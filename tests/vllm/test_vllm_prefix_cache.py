@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import httpx
 import pytest
@@ -79,7 +80,17 @@ def test_on_the_vllm_server_cached_tokens_and_counters_are_vllms(server_runs, lo
         assert server_runs[load][4] > 0 and all(e.evicted_ago_s > 0 for e in admitted[4:])
 
 
-def test_a_recording_joined_on_the_vllm_server_replays_its_prefix_hits_through_the_harness(vllm_server):
+@pytest.fixture(scope="module")
+def harness():
+    """vLLM 0.32's scheduler on a virtual clock, in the server's environment: the replays of this file."""
+    from batchtop.engine.whatif import vllm_replay
+
+    with vllm_replay.HarnessProcess("0.32") as process:
+        yield process
+
+
+def test_a_recording_joined_on_the_vllm_server_replays_its_prefix_hits_through_the_harness(vllm_server,
+                                                                                         harness):
     """Two requests that share a block-long prefix run on the real vLLM when a recorder joins live (the
     class's snapshot first); two more with that prefix come after and hit it. The recording replays
     through vLLM's own scheduler in the harness from that snapshot: every step as recorded, each
@@ -130,8 +141,54 @@ def test_a_recording_joined_on_the_vllm_server_replays_its_prefix_hits_through_t
     assert [item.status for item in rec.in_flight] == ["running", "running"] and len(rec.requests) == 2
     hits = [(e.request_id, e.num_cached_tokens) for e in rec.events if isinstance(e, ev.RequestAdmitted)]
     assert [n for _, n in hits] == [SERVER_BLOCK_SIZE, SERVER_BLOCK_SIZE]
-    with vllm_replay.HarnessProcess(rec.setup.vllm["version"]) as harness:
-        identity, _ = vllm_replay.identity_through_harness(rec, harness)
+    assert rec.setup.vllm["version"] == "0.32"
+    identity, _ = vllm_replay.identity_through_harness(rec, harness)
     assert identity.first_mismatch is None and identity.match_share == 1.0
     assert [(e.request_id, e.num_cached_tokens) for e in identity.events
             if isinstance(e, ev.RequestAdmitted)] == hits
+
+
+def test_a_chat_on_the_vllm_server_replays_its_hits_on_the_last_answer_through_the_harness(vllm_server,
+                                                                                         harness):
+    """Three turns of a chat on the real vLLM, each sending the conversation so far (vLLM's own greedy
+    answer token ids with it) and a new message: vLLM's cache gives each later turn the blocks of the
+    last answer, which no earlier prompt names. Recorded live, the replay through vLLM's scheduler makes
+    up the earlier turns' prompt tails and answers as the later prompts name those blocks: every step as
+    recorded, each turn with the cached tokens vLLM gave it."""
+    from vllm_helpers import AUTH
+
+    from batchtop.engine.bench.whatif_vllm import vllm_header
+    from batchtop.engine.whatif import vllm_replay
+    from batchtop.engine.whatif.recording import recording_from
+
+    events_url = vllm_server[1]
+    rng = random.Random(next(SEEDS))
+    recorder = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
+    try:
+        deadline = time.monotonic() + 60      # the stream's hello: the recorder holds every event after it
+        while not recorder.source.connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = httpx.get(f"{events_url}/v1/knobs", headers=AUTH, timeout=30).json()
+        conversation, cached_tokens = [rng.randrange(1000, 30_000) for _ in range(100)], []
+        for _ in range(3):
+            response = httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=300, json={
+                "model": "smollm2", "prompt": conversation, "max_tokens": 64, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            response.raise_for_status()
+            choice, usage = response.json()["choices"][0], response.json()["usage"]
+            cached_tokens.append(usage["prompt_tokens_details"]["cached_tokens"])
+            conversation += choice["token_ids"] + [rng.randrange(1000, 30_000) for _ in range(30)]
+        events = recorder.wait_for(lambda evs: sum(isinstance(e, ev.RequestRetired) for e in evs) >= 3)
+    finally:
+        recorder.close()
+    rec = recording_from(vllm_header(state), events)
+    assert cached_tokens == [0, SERVER_BLOCK_SIZE, 2 * SERVER_BLOCK_SIZE]
+    assert [n for _, n in admissions(rec.events)] == cached_tokens and rec.replay_words() == []
+    assert len(rec.continued_blocks) == 2
+    identity, _ = vllm_replay.identity_through_harness(rec, harness)
+    assert identity.first_mismatch is None and identity.match_share == 1.0
+    assert admissions(identity.events) == admissions(rec.events)
+
+
+def admissions(events) -> list[tuple[str, int]]:
+    return [(e.request_id, e.num_cached_tokens) for e in events if isinstance(e, ev.RequestAdmitted)]

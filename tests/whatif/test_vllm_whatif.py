@@ -232,11 +232,11 @@ def test_a_chats_next_turn_takes_the_last_answer_from_vllms_cache_in_the_replay_
     """Three turns of a chat through vLLM's scheduler in the harness, each sending the conversation so far
     (the harness's made-up answer with it) and a new message: vLLM's cache gives each later turn the
     last answer's blocks. The replay makes up the earlier turns' prompt tails and answers as the later
-    prompts name those blocks: each turn takes the recorded tokens from the cache, every step as
-    recorded."""
+    prompts name those blocks (the first prompt, shorter than a block, too): each turn takes the
+    recorded tokens from the cache, every step as recorded."""
     sampled_token = 7       # the harness's made-up answer token (engine/vllm/harness.py's SAMPLED_TOKEN)
     rng = random.Random(4)
-    conversation, turns = [rng.randrange(10, 30_000) for _ in range(40)], []
+    conversation, turns = [rng.randrange(10, 30_000) for _ in range(10)], []   # not one whole block
     for turn in range(3):
         turns.append({"request_id": f"turn{turn}", "arrival_s": float(turn),
                       "prompt_token_ids": list(conversation), "max_tokens": 24, "output_len": 24})
@@ -246,7 +246,7 @@ def test_a_chats_next_turn_takes_the_last_answer_from_vllms_cache_in_the_replay_
     rec = read_recording(write(tmp_path / "chat.jsonl", result["header"],
                                [ev.event_from_dict(e) for e in result["events"]]))
     recorded = cached(rec.events)
-    assert [n for _, n in recorded] == [0, 48, 96] and rec.replay_words() == []
+    assert [n for _, n in recorded] == [0, 32, 64] and rec.replay_words() == []
     assert set(rec.continued_blocks) == {"turn0", "turn1"}
     identity, _ = vllm_replay.identity_through_harness(rec, harness)
     assert identity.first_mismatch is None and identity.match_share == 1.0
