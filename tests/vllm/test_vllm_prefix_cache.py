@@ -120,7 +120,9 @@ def test_a_recording_joined_on_the_vllm_server_replays_its_prefix_hits_through_t
         return threads
 
     watch = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
-    first = send([prompt(), prompt()], 32)
+    # long enough to still run when the recorder joins on a busy machine (vLLM publishes the snapshot at
+    # its next schedule(), none while idle); prompt and output stay within 2 blocks each
+    first = send([prompt(), prompt()], 80)
     try:
         watch.wait_for(lambda evs: sum(isinstance(e, ev.StepFinished) and e.num_running == 2
                                        for e in evs) >= 3, timeout=120)
