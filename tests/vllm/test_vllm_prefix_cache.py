@@ -141,13 +141,12 @@ def test_a_recording_joined_on_the_vllm_server_replays_its_prefix_hits_through_t
     rec = recording_from(vllm_header(state), events)
     assert isinstance(rec.events[0], ev.EngineSnapshot) and rec.setup.enable_prefix_caching
     assert [item.status for item in rec.in_flight] == ["running", "running"] and len(rec.requests) == 2
-    hits = [(e.request_id, e.num_cached_tokens) for e in rec.events if isinstance(e, ev.RequestAdmitted)]
+    hits = admissions(rec.events)
     assert [n for _, n in hits] == [SERVER_BLOCK_SIZE, SERVER_BLOCK_SIZE]
     assert rec.setup.vllm["version"] == "0.32"
     identity, _ = vllm_replay.identity_through_harness(rec, harness)
     assert identity.first_mismatch is None and identity.match_share == 1.0
-    assert [(e.request_id, e.num_cached_tokens) for e in identity.events
-            if isinstance(e, ev.RequestAdmitted)] == hits
+    assert admissions(identity.events) == hits
 
 
 def test_a_chat_on_the_vllm_server_replays_its_hits_on_the_last_answer_through_the_harness(vllm_server,

@@ -2,7 +2,7 @@
 plans the recorded step at every step, under chunked prefill, both preemption modes, aborts, priority,
 static batching and live knob changes."""
 import pytest
-from whatif_helpers import KNOB_PLAN, record_engine
+from whatif_helpers import KNOB_PLAN, cached_at_admission, record_engine
 
 from batchtop.engine.whatif.grid import format_table, whatif
 from batchtop.engine.whatif.recording import recording_from
@@ -90,10 +90,6 @@ def test_the_end_of_a_step_under_way_before_the_joining_snapshot_is_left_out(tin
         rec.replay_words()[0]
     identity = replay_identity(rec)
     assert identity.first_mismatch is None and identity.match_share == 1.0
-
-
-def cached_at_admission(events) -> list[tuple[str, int]]:
-    return [(e.request_id, e.num_cached_tokens) for e in events if isinstance(e, ev.RequestAdmitted)]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import random
 
 import pytest
 from command_helpers import error_lines
-from whatif_helpers import linear_law, synthetic_recording
+from whatif_helpers import cached_at_admission, linear_law, synthetic_recording
 
 from batchtop.engine.bench import whatif_sensitivity
 from batchtop.engine.whatif import vllm_replay
@@ -102,10 +102,6 @@ def prefix_trace() -> list[dict]:
     return requests
 
 
-def cached(events) -> list[tuple[str, int]]:
-    return [(e.request_id, e.num_cached_tokens) for e in events if isinstance(e, ev.RequestAdmitted)]
-
-
 def test_prompts_that_shared_prefixes_in_vllm_share_them_in_its_replay(harness, tmp_path):
     """vLLM caching prefixes: the arrivals name each prompt's full blocks by vLLM's hashes, and the
     replay's made-up prompts share what those share, so vLLM's prefix cache hits as it did: every step
@@ -116,18 +112,19 @@ def test_prompts_that_shared_prefixes_in_vllm_share_them_in_its_replay(harness, 
     rec = read_recording(write(tmp_path / "vllm-prefixes.jsonl", result["header"],
                                [ev.event_from_dict(e) for e in result["events"]]))
     assert rec.setup.enable_prefix_caching and rec.setup.assumed == ()
-    assert sum(n for _, n in cached(rec.events)) >= 16 * 20
+    assert sum(n for _, n in cached_at_admission(rec.events)) >= 16 * 20
     assert all(len(r.prompt_blocks) == r.num_prompt_tokens // 16 for r in rec.requests)
     identity, _ = vllm_replay.identity_through_harness(rec, harness)
     assert identity.first_mismatch is None and identity.match_share == 1.0
-    assert cached(identity.events) == cached(rec.events)
+    assert cached_at_admission(identity.events) == cached_at_admission(rec.events)
     unnamed = [dataclasses.replace(e, prompt_blocks=()) if isinstance(e, ev.RequestArrived) else e
                for e in rec.events]
     alone, _ = vllm_replay.identity_through_harness(read_recording(
         write(tmp_path / "unnamed.jsonl", result["header"], unnamed)), harness)
     # only a preempted request's own blocks hit again
     assert alone.match_share < 1.0
-    assert sum(n for _, n in cached(alone.events)) < sum(n for _, n in cached(rec.events)) / 10
+    recorded = sum(n for _, n in cached_at_admission(rec.events))
+    assert sum(n for _, n in cached_at_admission(alone.events)) < recorded / 10
 
 
 @pytest.mark.parametrize(("scheduling", "join_at"), [("sync", 45), ("sync", 361), ("async", 48),
@@ -225,7 +222,8 @@ def test_a_vllm_recording_joined_mid_run_shares_prefixes_as_vllm_did(harness, tm
     assert not any("admissions took" in words for words in rec.replay_words())
     identity, _ = vllm_replay.identity_through_harness(rec, harness)
     assert identity.first_mismatch is None and identity.match_share == 1.0
-    assert cached(identity.events) == cached(rec.events) and sum(n for _, n in cached(rec.events)) > 0
+    recorded = cached_at_admission(rec.events)
+    assert cached_at_admission(identity.events) == recorded and sum(n for _, n in recorded) > 0
 
 
 def test_a_chats_next_turn_takes_the_last_answer_from_vllms_cache_in_the_replay_too(harness, tmp_path):
@@ -245,12 +243,12 @@ def test_a_chats_next_turn_takes_the_last_answer_from_vllms_cache_in_the_replay_
                           "scheduler": "batchtop", "events": True, "step_time": LAW})
     rec = read_recording(write(tmp_path / "chat.jsonl", result["header"],
                                [ev.event_from_dict(e) for e in result["events"]]))
-    recorded = cached(rec.events)
+    recorded = cached_at_admission(rec.events)
     assert [n for _, n in recorded] == [0, 32, 64] and rec.replay_words() == []
     assert set(rec.continued_blocks) == {"turn0", "turn1"}
     identity, _ = vllm_replay.identity_through_harness(rec, harness)
     assert identity.first_mismatch is None and identity.match_share == 1.0
-    assert cached(identity.events) == recorded
+    assert cached_at_admission(identity.events) == recorded
 
 
 def test_on_vllm_033_async_recordings_replay_whole_and_joined_with_the_step_in_flight(tmp_path):
@@ -278,7 +276,7 @@ def test_on_vllm_033_async_recordings_replay_whole_and_joined_with_the_step_in_f
             assert in_flight and (max(in_flight) > 1) == prefix
             identity, _ = vllm_replay.identity_through_harness(rec, harness)
             assert identity.first_mismatch is None and identity.match_share == 1.0
-            assert cached(identity.events) == cached(rec.events)
+            assert cached_at_admission(identity.events) == cached_at_admission(rec.events)
 
 
 def test_a_request_arrives_when_vllms_request_says_and_is_taken_in_at_a_step_boundary(made):

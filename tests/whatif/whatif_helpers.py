@@ -16,6 +16,7 @@ from batchtop.engine.whatif.recording import (
 )
 from batchtop.engine.whatif.replay import run_whatif
 from batchtop.engine.whatif.virtual import PhaseTimes, StepShape
+from batchtop.telemetry import events as ev
 from batchtop.telemetry.recorder import encode_event, make_header
 
 # (step, knob, value): chunked prefill tightened, both preemption modes, a static stretch, the budget.
@@ -118,3 +119,8 @@ def write_recording(path, rec, events=None):
         f.write(json.dumps(rec.header) + "\n")
         f.writelines(encode_event(e) + "\n" for e in (rec.events if events is None else events))
     return str(path)
+
+
+def cached_at_admission(events) -> list[tuple[str, int]]:
+    """Each admission's request and the tokens the prefix cache gave it, in order."""
+    return [(e.request_id, e.num_cached_tokens) for e in events if isinstance(e, ev.RequestAdmitted)]
