@@ -219,6 +219,23 @@ def test_remote_source_stays_connected_through_keep_alives(served, monkeypatch):
         front.stop()
 
 
+def test_closing_the_remote_source_of_a_quiet_server_ends_its_reader_at_once(served):
+    """The reader thread waits in a read of the stream, and a quiet server sends nothing but a keep-alive
+    every HEARTBEAT_S (10 s): closing the source must end that read, not wait for the next message
+    (a dashboard that quits, or a test that closes its follower, would wait that long)."""
+    server = BatchtopServer(served[0].loop, served[0].subscription._bus)
+    front = ServerThread(server).start()
+    source = RemoteSource(front.url).start()
+    try:
+        _wait(lambda: source.connected)
+        time.sleep(0.2)                                 # the reader is in its read: nothing more to send
+        began = time.monotonic()
+        source.close()
+        assert time.monotonic() - began < 1.0 and not source._thread.is_alive()
+    finally:
+        front.stop()
+
+
 def _wait(condition, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

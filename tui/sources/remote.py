@@ -12,6 +12,7 @@ Commands go to the control endpoints and return the server's error message, or N
 """
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Callable
@@ -262,12 +263,18 @@ class RemoteSource(Source):
         return self._post("/v1/snapshot")
 
     def close(self) -> None:
+        """Stop following at once: the reader thread waits in a read of the stream (a quiet server sends
+        a keep-alive every 10 s), and only shutting the socket down ends a read another thread is in
+        (closing it does not)."""
         self._stop.set()
         response = self._response
         if response is not None:
+            connection = response.extensions.get("network_stream")
+            sock = connection.get_extra_info("socket") if connection is not None else None
             try:
-                response.close()
-            except Exception:           # closing a socket another thread reads: best effort
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:             # the server closed it first
                 pass
         if self._thread is not None:
             self._thread.join(5)
