@@ -66,6 +66,23 @@ def harness():
         yield process
 
 
+@pytest.fixture
+def commands_share_the_harness(harness, monkeypatch):
+    """The commands open a harness process of their own (one vLLM import each: 15-25 s on a 2-core host);
+    with this they take the module's (`test_the_command_records_...` opens its own once)."""
+    class Shared:
+        def __init__(self, version: str):
+            assert version == harness.version
+
+        def __enter__(self) -> vllm_replay.HarnessProcess:
+            return harness
+
+        def __exit__(self, *exc) -> None:
+            pass
+    monkeypatch.setattr(vllm_replay, "HarnessProcess", Shared)
+    monkeypatch.setattr(whatif_sensitivity, "HarnessProcess", Shared)
+
+
 def recorded_in_harness(harness, folder, step_time, requests: list[dict]):
     result = harness.run({"trace": requests, "limits": LIMITS, "scheduler": "batchtop", "events": True,
                           "step_time": step_time})
@@ -332,13 +349,17 @@ def test_a_run_summarised_in_the_harness_reads_as_its_events_and_splits_waits_by
     assert recorded and sum(recorded.values()) < sum(waits.values())
 
 
-def test_the_command_records_a_vllm_what_if_only_when_asked_and_its_figures_do_not_change(made, capsys):
+def test_the_command_records_a_vllm_what_if_only_when_asked_and_its_figures_do_not_change(made, capsys,
+                                                                                           request):
     """`batchtop whatif` on a vLLM recording: with --record the run's events come back and are written as
-    a vLLM recording; without, its summary; the table's figures are the same either way."""
+    a vLLM recording; without, its summary; the table's figures are the same either way. The first
+    command opens its own harness process, as from the shell; the second takes the module's."""
     rec, _, folder = made
     out = folder / "cli.jsonl"
     rows = []
     for extra in ([], ["--record", str(out)]):
+        if extra:
+            request.getfixturevalue("commands_share_the_harness")
         assert main(["whatif", rec.path, "--set", "max_num_seqs=2", "--json", *extra]) == 0
         report = json.loads(capsys.readouterr().out)
         rows.append({**report["runs"][2], "compute_s": 0})
@@ -445,7 +466,7 @@ def test_a_vllm_recording_without_its_environment_is_refused_in_one_line(inside_
     assert ".venv-vllm-not-here is not installed" in capsys.readouterr().err
 
 
-def test_step_time_scales_the_law_vllms_scheduler_runs_on(made, capsys):
+def test_step_time_scales_the_law_vllms_scheduler_runs_on(made, capsys, commands_share_the_harness):
     """`--step-time 2` on a vLLM recording: the harness's law carries every forward coefficient doubled
     (the overheads and the gap as fitted), and the run's first step takes twice the forward time."""
     rec, result, folder = made
@@ -466,7 +487,7 @@ def test_step_time_scales_the_law_vllms_scheduler_runs_on(made, capsys):
 
 
 def test_a_vllm_check_is_priced_again_through_the_harness_and_reads_a_slower_real_runs_steps(
-        made, harness, tmp_path):
+        made, harness, tmp_path, commands_share_the_harness):
     """whatif_sensitivity on a vLLM check's files: the round's recording priced again through vLLM's
     scheduler gives, at 1x, the what-if's own prediction and, at 1.5x, a longer run; a real run made on
     a law 1.25x the recording's reads a step ratio of 1.25; the section is the vLLM check's."""
