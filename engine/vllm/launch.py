@@ -148,17 +148,21 @@ def pass_sigterm_on() -> None:
 
 
 class LaunchedServer:
-    """A server process in its own process group, with its output in `log_path`."""
+    """A server process in its own process group, with its output in `log_path`. Without one, a temporary
+    file that `stop` removes, unless the server failed to start or exited on its own (the error names it).
+    """
 
     def __init__(self, command: list[str] | str, url: str, *, env: dict | None = None,
                  log_path: str | os.PathLike | None = None):
         pass_sigterm_on()
         self.command = command
         self.url = url.rstrip("/")
+        self._temporary_log = log_path is None
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="batchtop-server-", suffix=".log")
             os.close(fd)
         self.log_path = Path(log_path)
+        self.failed = False                 # not healthy in time, or exited before it was stopped
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, shell=isinstance(command, str), env=env, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -173,6 +177,7 @@ class LaunchedServer:
         with httpx.Client(timeout=5.0) as client:
             while True:
                 if self.process.poll() is not None:
+                    self.failed = True
                     raise RuntimeError(f"the server exited with status {self.process.returncode} before it "
                                        f"was healthy; the end of {self.log_path}:\n{self.tail()}")
                 try:
@@ -181,6 +186,7 @@ class LaunchedServer:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() - started > timeout:
+                    self.failed = True
                     raise RuntimeError(f"the server was not healthy after {timeout:.0f} s; the end of "
                                        f"{self.log_path}:\n{self.tail()}")
                 time.sleep(poll_s)
@@ -204,6 +210,7 @@ class LaunchedServer:
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the whole group, SIGKILL what is left after `timeout`; returns when none is left."""
+        self.failed |= self.process.poll() is not None
         for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.pgid, sig)
@@ -214,6 +221,8 @@ class LaunchedServer:
         self.process.poll()
         if not self.group_alive():
             _running_groups.discard(self.pgid)
+        if self._temporary_log and not self.failed:
+            self.log_path.unlink(missing_ok=True)
 
     def _gone_within(self, seconds: float) -> bool:
         deadline = time.monotonic() + seconds

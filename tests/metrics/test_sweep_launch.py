@@ -10,7 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
 from metrics_helpers import skip_without_vllm, stock_vllm_options
 
 from batchtop.tui.cli import main
@@ -70,6 +72,25 @@ def test_a_server_that_does_not_start_is_reported_and_the_sweep_goes_on(tmp_path
         assert f"no server for {p['max_num_seqs']} seqs" in p["log_tail"]
         assert not p["left_running"] and group_gone(p["server_pgid"])
         assert f"no server for {p['max_num_seqs']} seqs" in printed
+        log = Path(p["error"].rpartition("the end of ")[2].rstrip(":"))
+        assert "no server for" in log.read_text()          # kept: the server failed
+        log.unlink()
+
+
+def test_a_launched_servers_own_log_goes_with_it_unless_it_failed():
+    """A server launched without a log file writes to a temporary one: removed when the server is stopped,
+    kept when it failed to start (its error names the file)."""
+    from batchtop.engine.vllm.launch import LaunchedServer
+    with LaunchedServer("sleep 30", "http://127.0.0.1:8299") as server:
+        assert server.log_path.exists()
+    assert not server.log_path.exists() and not server.group_alive()
+    failed = LaunchedServer("echo 'no server here' >&2; exit 3", "http://127.0.0.1:8299")
+    with pytest.raises(RuntimeError, match="exited with status 3") as error:
+        failed.wait_healthy(timeout=10, poll_s=0.05)
+    assert str(failed.log_path) in str(error.value)
+    failed.stop()
+    assert failed.failed and "no server here" in failed.log_path.read_text()
+    failed.log_path.unlink()
 
 
 def test_sweep_over_a_real_vllm_measures_its_point_and_leaves_nothing(tmp_path, capsys):
