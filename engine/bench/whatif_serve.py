@@ -47,6 +47,7 @@ from .whatif_check import (
 from .whatif_vllm import (
     check_args,
     http_path_words,
+    launched_check_flags,
     load_words,
     rendered_args,
     repredict,
@@ -104,14 +105,7 @@ def make_parser():
     parser.add_argument("--model", default="smollm2", help="the model batchtop serve loads")
     parser.add_argument("--port", type=int, default=PORT, help="the port every launched server listens on")
     parser.add_argument("--num-kv-blocks", type=int, help="the KV pool in blocks of 16 (small: preemptions)")
-    parser.add_argument("--out", default="/tmp/batchtop-whatif-serve", help="recordings and server logs")
-    parser.add_argument("--json", help="the raw points, rewritten after every run")
-    parser.add_argument("--render", metavar="JSON", help="only write the section from a --json file")
-    parser.add_argument("--repredict", action="store_true",
-                        help="with --render: predict every point again from the rounds' recordings (the "
-                             "code as it is now; the real runs stay as measured)")
-    parser.add_argument("--write", action="store_true", help="write the section of docs/whatif.md")
-    return parser
+    return launched_check_flags(parser, "/tmp/batchtop-whatif-serve")
 
 
 def main(argv: list[str] | None = None) -> int:

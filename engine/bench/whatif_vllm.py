@@ -330,7 +330,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                         help="no torch.compile: a start in a third of the time")
     parser.add_argument("--omp-threads", type=int, help="OMP_NUM_THREADS of vLLM's worker (default: vLLM's)")
-    parser.add_argument("--out", default="/tmp/batchtop-whatif-vllm", help="recordings and server logs")
+    return launched_check_flags(parser, "/tmp/batchtop-whatif-vllm")
+
+
+def launched_check_flags(parser: argparse.ArgumentParser, out: str) -> argparse.ArgumentParser:
+    """The flags of a check over launched servers (this one, whatif_serve): its files, and the section
+    rendered again from them."""
+    parser.add_argument("--out", default=out, help="recordings and server logs")
     parser.add_argument("--json", help="the raw points, rewritten after every run")
     parser.add_argument("--render", metavar="JSON", help="only write the section from a --json file")
     parser.add_argument("--repredict", action="store_true",
