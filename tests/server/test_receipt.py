@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 
 from batchtop.telemetry import events as ev
 
@@ -42,7 +41,10 @@ def test_ttft_counts_from_the_receipt_and_the_input_path_is_recorded(served, mon
     assert sent <= arrived.arrival_t <= sent + 0.05         # stamped on receipt, before the tokenizer ran
     assert TOKENIZE_S <= arrived.input_s <= arrived.since_arrival_s
     assert arrived.arrival_t + arrived.input_s <= arrived.t <= answered
-    assert first.ttft_s == pytest.approx(first.t - arrived.arrival_t, abs=1e-3)
+    # the first token's time (the scheduler's, at the step's update) lies within the step that made it,
+    # counted from the receipt (FirstToken.t is stamped after the update: 1-3 ms later on a loaded host)
+    planned = next(e for e in events if isinstance(e, ev.StepPlanned) and e.step == first.step)
+    assert planned.t <= arrived.arrival_t + first.ttft_s <= first.t + 1e-6
     assert first.ttft_s >= TOKENIZE_S                       # the client's wait, the tokenizer's included
 
 
