@@ -117,17 +117,19 @@ def vllm_env(options: VllmOptions, base: dict | None = None) -> dict[str, str]:
     return env
 
 
-_running_groups: set[int] = set()       # the process groups of the servers not yet stopped
+_running: dict[int, LaunchedServer] = {}     # the servers not yet stopped, by process group
 _previous_sigterm = None
 
 
 def _pass_sigterm_on(signum: int, frame) -> None:
-    """SIGTERM every running server's group, then what SIGTERM did before."""
-    for pgid in list(_running_groups):
+    """SIGTERM every running server's group (their own temporary logs go, as `stop` removes them), then what
+    SIGTERM did before."""
+    for pgid, server in list(_running.items()):
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+        server.remove_temporary_log()
     if callable(_previous_sigterm):
         _previous_sigterm(signum, frame)
     else:                                   # the default action: end the process
@@ -168,7 +170,7 @@ class LaunchedServer:
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
         self.pgid = self.process.pid            # start_new_session: the child leads its own group
-        _running_groups.add(self.pgid)
+        _running[self.pgid] = self
 
     def wait_healthy(self, timeout: float = 300.0, poll_s: float = 0.5) -> float:
         """Seconds until `/health` answered 200; RuntimeError (with the log's tail) if the process
@@ -220,7 +222,11 @@ class LaunchedServer:
                 break
         self.process.poll()
         if not self.group_alive():
-            _running_groups.discard(self.pgid)
+            _running.pop(self.pgid, None)
+        self.remove_temporary_log()
+
+    def remove_temporary_log(self) -> None:
+        """The log file this made for itself, unless the server failed (its error names the file)."""
         if self._temporary_log and not self.failed:
             self.log_path.unlink(missing_ok=True)
 

@@ -31,12 +31,15 @@ def group_gone(pgid: int) -> bool:
 
 def test_sigterm_to_the_sweep_ends_the_server_it_launched(tmp_path):
     """SIGTERM's default action would end the sweep without its `finally`: the server is passed the
-    signal instead of being left running on its port."""
+    signal instead of being left running on its port, and its temporary log goes too."""
     pid_file = tmp_path / "server.pid"
+    temporary = tmp_path / "tmp"            # the sweep's temporary folder: where the server's log goes
+    temporary.mkdir()
     command = "sh -c " + shlex.quote(f"echo $$ > {pid_file}; exec sleep 60{{max_num_seqs}}")
     sweep = subprocess.Popen([sys.executable, "-m", "batchtop.tui.cli", "sweep", "--launch", command,
                               "--max-num-seqs", "1", "--base-url", "http://127.0.0.1:8297"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(temporary)})
     try:
         deadline = time.monotonic() + 120
         while not (pid_file.exists() and pid_file.read_text().strip()):
@@ -51,6 +54,7 @@ def test_sigterm_to_the_sweep_ends_the_server_it_launched(tmp_path):
         while not group_gone(pgid):
             assert time.monotonic() < deadline, "the launched server outlived the sweep"
             time.sleep(0.1)
+        assert not list(temporary.glob("batchtop-server-*.log"))
     finally:
         sweep.kill()
         if pid_file.exists() and pid_file.read_text().strip():
