@@ -38,7 +38,12 @@ UNITS = {
     "vllm-harness": ("tests/vllm/test_vllm_harness.py",),
 }
 UNIT_OF_FILE = {path: unit for unit, paths in UNITS.items() for path in paths}
-UNIT_OF_FIXTURE = {"vllm_server": "vllm", "stock_vllm": "vllm", "harness_results": "vllm-harness"}
+UNIT_OF_FIXTURE = {"vllm_server": "vllm", "stock_vllm": "vllm", "vllm_unit_servers": "vllm",
+                   "harness_results": "vllm-harness"}
+# The vLLM servers of the "vllm" unit, stopped as soon as its last test is done: each holds a few GB that
+# the tests after it need (a vLLM that sweep --launch started later found 0.7 GiB free and failed). Their
+# fixtures stop them again, harmlessly, at the session's end.
+_UNIT_SERVERS: list = []
 
 
 def worker_unit(nodeid: str) -> str:
@@ -56,6 +61,18 @@ def pytest_xdist_make_scheduler(config, log):
     return ByUnit(config, log)
 
 
+def pytest_runtest_teardown(item, nextitem):
+    if worker_unit(item.nodeid) == "vllm" and (nextitem is None or worker_unit(nextitem.nodeid) != "vllm"):
+        while _UNIT_SERVERS:
+            _UNIT_SERVERS.pop().stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_unit_servers() -> list:
+    """Where the "vllm" unit's server fixtures put each server they start (see _UNIT_SERVERS)."""
+    return _UNIT_SERVERS
+
+
 def pytest_collection_modifyitems(items):
     """The units longest first; a test that uses a unit's fixture from a file outside it is refused."""
     for item in items:
@@ -68,7 +85,7 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def stock_vllm(tmp_path_factory):
+def stock_vllm(tmp_path_factory, vllm_unit_servers):
     """A running stock vLLM (vLLM's own scheduler, no batchtop class): (LaunchedServer, url). The /metrics
     tests read it, the vLLM tests take it as the reference for token identity; one start serves both
     (tests/metrics/metrics_helpers.py: its settings). Its whole process group stops with the session."""
@@ -79,6 +96,7 @@ def stock_vllm(tmp_path_factory):
     skip_without_vllm()
     server = launch_vllm(stock_vllm_options(STOCK_VLLM_PORT),
                          log_path=tmp_path_factory.mktemp("vllm-stock") / "vllm.log")
+    vllm_unit_servers.append(server)
     try:
         server.wait_healthy(timeout=400)
         yield server, server.url

@@ -39,7 +39,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory):
+def vllm_server(tmp_path_factory, vllm_unit_servers):
     """(LaunchedServer, events url) of vLLM with BatchtopScheduler and its side endpoint (API key
     EVENTS_API_KEY)."""
     reason = skip_reason()
@@ -49,6 +49,7 @@ def vllm_server(tmp_path_factory):
     server = LaunchedServer(vllm_command(settings), f"http://127.0.0.1:{settings.port}",
                             env={**vllm_env(settings), "BATCHTOP_EVENTS_API_KEY": EVENTS_API_KEY},
                             log_path=tmp_path_factory.mktemp("vllm") / "vllm.log")
+    vllm_unit_servers.append(server)
     try:
         server.wait_healthy(START_TIMEOUT_S)
         yield server, f"http://127.0.0.1:{EVENTS_PORT}"
