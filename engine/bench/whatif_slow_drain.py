@@ -16,11 +16,13 @@ are given against the recording's capacity (its output tok/s at the highest rate
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
 from datetime import date
 
+from batchtop.engine.core.config import SchedulerKnobs
 from batchtop.engine.whatif.grid import predict, prepare, run_of
 from batchtop.engine.whatif.recording import EngineSetup, Recording, TraceRequest, recording_from
 from batchtop.engine.whatif.replay import run_whatif
@@ -31,16 +33,14 @@ from .figures import commit, cpu_name, publish
 from .whatif_check import DOC, make_trace
 
 SECTION = "## A slow moment at the recording's end, offline"
-SMOLLM2_MACS = (106_168_320, 28_311_552)     # multiply-adds per token through the layers, per head row
+SMOLLM2_MACS = (106_168_320, 28_311_552)     # weights.weight_macs of its config: per token, per head row
 TILE_ROWS = 4
 LAW_SCALE = 1.5
 SEGMENT_S, SEGMENT_SIGMA, STEP_SIGMA = 1.0, 0.12, 0.08
 SLOW_LAST_S = 0.6
 ROWS = (2, 4, 8)
 METRICS = (("output_tok_s", "tok/s"), ("itl_p50_s", "ITL p50"), ("ttft_p50_s", "TTFT p50"))
-KNOBS = {"max_num_seqs": 4, "max_num_batched_tokens": 2048, "long_prefill_token_threshold": 0,
-         "batching_mode": "continuous", "static_batch_size": 4, "dynamic_timeout_s": 0.5,
-         "preemption_mode": "recompute"}
+KNOBS = dataclasses.asdict(SchedulerKnobs(max_num_seqs=4, max_num_batched_tokens=2048))   # the rest: defaults
 
 
 def staircase_law(seed: int, slow_after_s: float | None = None, slow: float = 1.0):
