@@ -6,6 +6,10 @@ processes), so nothing is left running. `wait_healthy()` polls `/health` and fai
 with the log's tail, when the process dies. SIGTERM to the process that launched servers is passed
 on to every server it has not stopped (then handled as before): SIGTERM's default action ends a
 process without its `finally` blocks, and a benchmark stopped with `kill` left its server on its port.
+Each server also gets a temporary folder of its own (its TMPDIR), removed with it: vLLM leaves its ZMQ
+sockets and a `vllm_dist_*` file per launch in the temporary folder, hundreds of them in `/tmp` after a
+few sweeps otherwise. torch's compile cache stays where it was (in the shared temporary folder), so a
+launch does not compile again.
 
 vLLM is started the way its release recommends, from its own virtual environment: `vllm serve`
 where the distribution is PyPI's `vllm` (0.33 on), `python -m vllm.entrypoints.openai.api_server`
@@ -14,8 +18,10 @@ the environment the CPU build needs.
 """
 from __future__ import annotations
 
+import getpass
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -117,19 +123,31 @@ def vllm_env(options: VllmOptions, base: dict | None = None) -> dict[str, str]:
     return env
 
 
+def server_env(env: dict[str, str], temporary_folder: Path) -> dict[str, str]:
+    """`env` with `temporary_folder` as the server's TMPDIR, torch's compile cache kept where the shared
+    temporary folder has it (a cache in the private folder would compile every launch again)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):                     # as torch names it then
+        user = f"uid_{os.getuid()}"
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torchinductor_{user}"))
+    env["TMPDIR"] = str(temporary_folder)
+    return env
+
+
 _running: dict[int, LaunchedServer] = {}     # the servers not yet stopped, by process group
 _previous_sigterm = None
 
 
 def _pass_sigterm_on(signum: int, frame) -> None:
-    """SIGTERM every running server's group (their own temporary logs go, as `stop` removes them), then what
+    """SIGTERM every running server's group (their temporary folders go, as `stop` removes them), then what
     SIGTERM did before."""
     for pgid, server in list(_running.items()):
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-        server.remove_temporary_log()
+        server.remove_temporary_folder()
     if callable(_previous_sigterm):
         _previous_sigterm(signum, frame)
     else:                                   # the default action: end the process
@@ -150,8 +168,10 @@ def pass_sigterm_on() -> None:
 
 
 class LaunchedServer:
-    """A server process in its own process group, with its output in `log_path`. Without one, a temporary
-    file that `stop` removes, unless the server failed to start or exited on its own (the error names it).
+    """A server process in its own process group, with its output in `log_path` and a temporary folder of
+    its own (`temporary_folder`, its TMPDIR) that `stop` removes. Without a `log_path`, the log is
+    `server.log` in that folder, and the folder is kept when the server failed to start or exited on its own
+    (the error names the log).
     """
 
     def __init__(self, command: list[str] | str, url: str, *, env: dict | None = None,
@@ -159,12 +179,11 @@ class LaunchedServer:
         pass_sigterm_on()
         self.command = command
         self.url = url.rstrip("/")
-        self._temporary_log = log_path is None
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="batchtop-server-", suffix=".log")
-            os.close(fd)
-        self.log_path = Path(log_path)
+        self.temporary_folder = Path(tempfile.mkdtemp(prefix="batchtop-server-"))
+        self._log_in_folder = log_path is None
+        self.log_path = self.temporary_folder / "server.log" if log_path is None else Path(log_path)
         self.failed = False                 # not healthy in time, or exited before it was stopped
+        env = server_env(dict(os.environ if env is None else env), self.temporary_folder)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, shell=isinstance(command, str), env=env, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -223,12 +242,13 @@ class LaunchedServer:
         self.process.poll()
         if not self.group_alive():
             _running.pop(self.pgid, None)
-        self.remove_temporary_log()
+        self.remove_temporary_folder()
 
-    def remove_temporary_log(self) -> None:
-        """The log file this made for itself, unless the server failed (its error names the file)."""
-        if self._temporary_log and not self.failed:
-            self.log_path.unlink(missing_ok=True)
+    def remove_temporary_folder(self) -> None:
+        """The server's own temporary folder, unless it holds the log of a server that failed (its error
+        names the file)."""
+        if not (self.failed and self._log_in_folder):
+            shutil.rmtree(self.temporary_folder, ignore_errors=True)
 
     def _gone_within(self, seconds: float) -> bool:
         deadline = time.monotonic() + seconds

@@ -5,10 +5,12 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,7 +56,7 @@ def test_sigterm_to_the_sweep_ends_the_server_it_launched(tmp_path):
         while not group_gone(pgid):
             assert time.monotonic() < deadline, "the launched server outlived the sweep"
             time.sleep(0.1)
-        assert not list(temporary.glob("batchtop-server-*.log"))
+        assert not list(temporary.glob("batchtop-server-*"))     # the server's own folder, its log in it
     finally:
         sweep.kill()
         if pid_file.exists() and pid_file.read_text().strip():
@@ -78,23 +80,33 @@ def test_a_server_that_does_not_start_is_reported_and_the_sweep_goes_on(tmp_path
         assert f"no server for {p['max_num_seqs']} seqs" in printed
         log = Path(p["error"].rpartition("the end of ")[2].rstrip(":"))
         assert "no server for" in log.read_text()          # kept: the server failed
-        log.unlink()
+        shutil.rmtree(log.parent)
 
 
-def test_a_launched_servers_own_log_goes_with_it_unless_it_failed():
-    """A server launched without a log file writes to a temporary one: removed when the server is stopped,
-    kept when it failed to start (its error names the file)."""
+def test_a_launched_servers_temporary_folder_goes_with_it_unless_it_failed(monkeypatch):
+    """A launched server's TMPDIR is a folder of its own (vLLM leaves its sockets and a `vllm_dist_*` file
+    there) holding its log when it was given none: removed when the server is stopped, kept when it failed
+    to start (its error names the log). torch's compile cache stays in the shared temporary folder."""
     from batchtop.engine.vllm.launch import LaunchedServer
-    with LaunchedServer("sleep 30", "http://127.0.0.1:8299") as server:
-        assert server.log_path.exists()
-    assert not server.log_path.exists() and not server.group_alive()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    left = "touch $TMPDIR/vllm_dist_0; echo $TORCHINDUCTOR_CACHE_DIR; echo ready; exec sleep 30"
+    with LaunchedServer(left, "http://127.0.0.1:8299") as server:
+        folder = server.temporary_folder
+        assert server.log_path.parent == folder and folder.parent == Path(tempfile.gettempdir())
+        deadline = time.monotonic() + 10
+        while "ready" not in server.tail():
+            assert time.monotonic() < deadline, server.tail()
+            time.sleep(0.05)
+        assert (folder / "vllm_dist_0").exists()
+        assert f"{tempfile.gettempdir()}/torchinductor_" in server.tail()
+    assert not folder.exists() and not server.group_alive()
     failed = LaunchedServer("echo 'no server here' >&2; exit 3", "http://127.0.0.1:8299")
     with pytest.raises(RuntimeError, match="exited with status 3") as error:
         failed.wait_healthy(timeout=10, poll_s=0.05)
     assert str(failed.log_path) in str(error.value)
     failed.stop()
     assert failed.failed and "no server here" in failed.log_path.read_text()
-    failed.log_path.unlink()
+    shutil.rmtree(failed.temporary_folder)
 
 
 def test_sweep_over_a_real_vllm_measures_its_point_and_leaves_nothing(tmp_path, capsys):
@@ -104,6 +116,7 @@ def test_sweep_over_a_real_vllm_measures_its_point_and_leaves_nothing(tmp_path, 
     skip_without_vllm()
     from batchtop.engine.vllm.launch import SCHEDULER_CLS, shell_line
     log = tmp_path / "vllm.log"
+    shared_dist_files = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))   # a launch leaves none here
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -125,6 +138,7 @@ def test_sweep_over_a_real_vllm_measures_its_point_and_leaves_nothing(tmp_path, 
     # one row at a time: a step per output token (the prompt's step makes the first), no more
     assert point["preemptions"] == 0 and point["steps"] == NUM_PROMPTS * OUTPUT_LEN, point
     assert not point["left_running"] and group_gone(point["server_pgid"])
+    assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) <= shared_dist_files
     assert "preempt" in printed and "max_num_seqs" in printed
     assert "batchtop: could not start; vLLM goes on without it" in text and "Address already in use" in text
 
