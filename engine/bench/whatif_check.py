@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import random
+import shlex
 import statistics
 import time
 from datetime import date
@@ -146,7 +147,19 @@ def check_parser(description: str, rate: float) -> argparse.ArgumentParser:
     parser.add_argument("--output-mean", type=int, default=24, help="mean output tokens")
     parser.add_argument("--max-output", type=int, default=128,
                         help="longest output (long ones fill a small pool: preemptions)")
+    parser.add_argument("--label", help="words after the section's title, for a check beside the published "
+                                        "one (another rate): its own section")
     return parser
+
+
+def labelled(title: str, args) -> str:
+    """The section's title with the check's --label after it."""
+    return title + (f", {args.label}" if getattr(args, "label", None) else "")
+
+
+def label_flag(args) -> str:
+    """--label as the section's command line gives it."""
+    return f"--label {shlex.quote(args.label)} " if getattr(args, "label", None) else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
 def section(args) -> str:
     """The section of the engine's path (its step cost in rows differs: docs/whatif.md), pool and
     prompts."""
-    return (SECTION + ("" if cpu.available() else ", torch ops")
-            + (f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else "")
-            + (", shared prefixes" if getattr(args, "shared_prefixes", 0) else ""))
+    return labelled(SECTION + ("" if cpu.available() else ", torch ops")
+                    + (f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else "")
+                    + (", shared prefixes" if getattr(args, "shared_prefixes", 0) else ""), args)
 
 
 def point_name(knobs: dict) -> str:
@@ -260,7 +273,7 @@ def report(args, rounds: list[dict], results: list[dict], seconds: float, load: 
                + (f"--num-kv-blocks {args.num_kv_blocks} " if args.num_kv_blocks else "")
                + (f"--shared-prefixes {args.shared_prefixes} --prefix-tokens {args.prefix_tokens} "
                   if args.shared_prefixes else "")
-               + trace_flags(args) + f"--repeats {args.repeats} --write`")
+               + trace_flags(args) + f"--repeats {args.repeats} {label_flag(args)}--write`")
     lines = [section(args), "",
              f"{date.today().isoformat()}, commit {commit()}, {cpu_name()}, tiny model, {kernels_words()}, "
              f"{load.words()}. Command: {command} "

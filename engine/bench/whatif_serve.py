@@ -38,6 +38,8 @@ from .whatif_check import (
     check_parser,
     comparison_table,
     kernels_words,
+    label_flag,
+    labelled,
     recordings_table,
     round_summary,
     trace_flags,
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def section(args) -> str:
-    return SECTION + (f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else "")
+    pool = f", a pool of {args.num_kv_blocks} blocks" if args.num_kv_blocks else ""
+    return labelled(SECTION + pool, args)
 
 
 def point_values(args) -> list[int]:
@@ -162,7 +165,7 @@ def report(args, saved: dict) -> str:
                f"--values {args.values} --budget {args.budget} "
                + (f"--model {args.model} " if args.model != "smollm2" else "")
                + (f"--num-kv-blocks {args.num_kv_blocks} " if args.num_kv_blocks else "")
-               + trace_flags(args) + f"--repeats {args.repeats} --write`")
+               + trace_flags(args) + f"--repeats {args.repeats} {label_flag(args)}--write`")
     startup = [r["startup_s"] for r in rounds] + [m["startup_s"] for p in results for m in p["measured"]]
     lines = [section(args), "",
              f"{date.today().isoformat()}, commit {saved['commit']}, {cpu_name()}, {load_words(saved)}, "

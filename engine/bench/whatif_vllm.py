@@ -48,6 +48,8 @@ from .whatif_check import (
     comparison_table,
     error,
     format_value,
+    label_flag,
+    labelled,
     point_name,
     recordings_table,
     round_summary,
@@ -414,9 +416,9 @@ def load_words(saved: dict) -> str:
 
 def section(args) -> str:
     if not args.num_gpu_blocks:
-        return SECTION
-    return (SECTION + f", a pool of {args.num_gpu_blocks} blocks"
-            + (f" of {args.block_size} tokens" if args.block_size else ""))
+        return labelled(SECTION, args)
+    return labelled(SECTION + f", a pool of {args.num_gpu_blocks} blocks"
+                    + (f" of {args.block_size} tokens" if args.block_size else ""), args)
 
 
 def report(args, saved: dict) -> str:
@@ -430,7 +432,7 @@ def report(args, saved: dict) -> str:
                + (f"--block-size {args.block_size} " if args.block_size else "")
                + (f"--omp-threads {args.omp_threads} " if args.omp_threads else "") + trace_flags(args)
                + ("" if args.enforce_eager else "--no-enforce-eager ")
-               + f"--repeats {args.repeats} --write`")
+               + f"--repeats {args.repeats} {label_flag(args)}--write`")
     startup = [r["startup_s"] for r in rounds] + [m["startup_s"] for p in results for m in p["measured"]
                                                       if "startup_s" in m]
     round_min = [r["round_s"] / 60 for r in rounds if "round_s" in r]

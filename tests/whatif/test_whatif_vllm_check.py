@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 
 import pytest
 from whatif_helpers import linear_law, synthetic_recording
@@ -163,3 +164,28 @@ def test_render_writes_the_check_with_the_options_it_ran_with(tmp_path, capsys):
                                          "pool of 7 blocks'"):
         whatif_vllm.main(["--render", str(path)])
     assert whatif_vllm.main(["--render", str(path), "--num-gpu-blocks", "7"]) == 0
+
+
+def test_a_label_gives_the_check_a_section_of_its_own_that_its_command_writes_again(tmp_path, capsys):
+    """--label: a check beside the published one (another rate) goes to its own section, and the command
+    the section prints, run again, names the same section (the label quoted as a shell word)."""
+    ran = whatif_vllm.make_parser().parse_args(
+        ["--requests", "40", "--values", "8", "--repeats", "1", "--label", "a trace's rate near capacity"])
+    assert whatif_vllm.section(ran) == whatif_vllm.SECTION + ", a trace's rate near capacity"
+    rnd, row = saved_round(30.0), ROW
+    saved = {"section": whatif_vllm.section(ran), "seconds": 600, "command": "vllm ...", "rounds": [rnd],
+             "points": [{"knobs": {"max_num_seqs": 8}, "predicted": [row],
+                         "measured": [{**row, "duration_s": 100.0, "startup_s": 30.0, "server": SERVER}],
+                         "compute_s": [1.5]}],
+             "args": whatif_vllm.check_args(ran)}
+    path = tmp_path / "check.json"
+    path.write_text(json.dumps(saved))
+    assert whatif_vllm.main(["--render", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(whatif_vllm.section(ran) + "\n")
+    command = text.split("Command: `", 1)[1].split("`", 1)[0]
+    again = whatif_vllm.make_parser().parse_args(shlex.split(command)[3:])
+    assert again.label == "a trace's rate near capacity"
+    assert whatif_vllm.section(again) == whatif_vllm.section(ran)
+    unlabelled = whatif_vllm.make_parser().parse_args("--requests 40".split())
+    assert whatif_vllm.section(unlabelled) == whatif_vllm.SECTION and whatif_vllm.label_flag(unlabelled) == ""
