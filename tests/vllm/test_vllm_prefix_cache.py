@@ -119,24 +119,24 @@ def test_a_recording_joined_on_the_vllm_server_replays_its_prefix_hits_through_t
             thread.start()
         return threads
 
-    watch = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
     # long enough to still run when the recorder joins on a busy machine (vLLM publishes the snapshot at
     # its next schedule(), none while idle); prompt and output stay within 2 blocks each
     first = send([prompt(), prompt()], 80)
-    try:
-        watch.wait_for(lambda evs: sum(isinstance(e, ev.StepFinished) and e.num_running == 2
-                                       for e in evs) >= 3, timeout=120)
-        recorder = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
-        # the later requests go only once the recorder holds its snapshot: sent before, they would
-        # be in it and the recording would have no arrivals of its own
-        recorder.wait_for(lambda evs: any(isinstance(e, ev.EngineSnapshot) for e in evs), timeout=60)
-        state = httpx.get(f"{events_url}/v1/knobs", headers=AUTH, timeout=30).json()
-        later = send([prompt(), prompt()], 4)
-        for thread in first + later:
-            thread.join(300)
-        events = recorder.wait_for(lambda evs: sum(isinstance(e, ev.RequestRetired) for e in evs) >= 4)
-    finally:
-        watch.close()
+    # both running by the server's own gauge: a follower's events lag on a loaded host (one read them after
+    # both had finished, and the recorder joined an idle server)
+    deadline = time.monotonic() + 120
+    while metric(f"http://127.0.0.1:{PORT}", "vllm:num_requests_running") < 2:
+        assert time.monotonic() < deadline, "the two requests never ran together"
+        time.sleep(0.05)
+    recorder = EventFollower(events_url, from_step=None, api_key=EVENTS_API_KEY)
+    # the later requests go only once the recorder holds its snapshot: sent before, they would
+    # be in it and the recording would have no arrivals of its own
+    recorder.wait_for(lambda evs: any(isinstance(e, ev.EngineSnapshot) for e in evs), timeout=60)
+    state = httpx.get(f"{events_url}/v1/knobs", headers=AUTH, timeout=30).json()
+    later = send([prompt(), prompt()], 4)
+    for thread in first + later:
+        thread.join(300)
+    events = recorder.wait_for(lambda evs: sum(isinstance(e, ev.RequestRetired) for e in evs) >= 4)
     recorder.close()
     rec = recording_from(vllm_header(state), events)
     assert isinstance(rec.events[0], ev.EngineSnapshot) and rec.setup.enable_prefix_caching
