@@ -91,11 +91,12 @@ def test_max_num_seqs_lowered_under_load_binds_without_preempting_and_raised_cli
                 return metric(base_url, "vllm:num_requests_running")
 
             deadline = time.monotonic() + 120
-            while await asyncio.to_thread(running_by_metrics) < 4 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)                             # the pool's five blocks hold five
-            assert running_by_metrics() >= 4, (f"4 of the 8 requests never ran at once: last plan "
-                                               f"{last_planned()}, max_num_seqs "
-                                               f"{start_value(events_url, 'max_num_seqs')}")
+            running = await asyncio.to_thread(running_by_metrics)
+            while running < 4 and time.monotonic() < deadline:       # the pool's five blocks hold five
+                await asyncio.sleep(0.05)
+                running = await asyncio.to_thread(running_by_metrics)
+            assert running >= 4, (f"4 of the 8 requests never ran at once: last plan {last_planned()}, "
+                                  f"max_num_seqs {start_value(events_url, 'max_num_seqs')}")
             marks["lowered"] = time.monotonic()
             await asyncio.to_thread(set_knob, events_url, "max_num_seqs", 2)
             for i in range(8, 20):  # more keep arriving
